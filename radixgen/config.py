@@ -1,0 +1,52 @@
+"""One configuration object flows from the CLI to every part of the engine.
+
+Leaf classes take plain values derived from it; values discovered at run time (pool size in
+slots, thread count actually used) are kept by the part that discovers them, never written back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+DType = Literal["float32", "bfloat16", "float16"]
+SchedulePolicy = Literal["fcfs", "lpm"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start. CLI flags are generated from these fields."""
+
+    model: str | None = None
+    """HF folder (config.json + safetensors), a .gguf file, or None for bundled SmolLM2-135M."""
+    dtype: DType = "float32"
+    """float32 is exact against transformers; bfloat16 is the fast option on AVX-512 BF16 CPUs."""
+    device: str = "cpu"
+    num_threads: int | None = None
+    """torch compute threads; None means the cores this process may run on."""
+    seed: int = 0
+    """Seed for requests that give none (each such request still gets its own stream)."""
+
+    max_context_len: int | None = None
+    """Cap on prompt + output tokens per request; None means the model's own limit."""
+    kv_cache_tokens: int | None = None
+    """KV pool size in tokens; None derives it from kv_cache_gb."""
+    kv_cache_gb: float = 2.0
+    max_running_requests: int = 128
+    max_prefill_tokens: int = 4096
+    """Token budget of one prefill step."""
+    max_queued_requests: int = 4096
+    schedule_policy: SchedulePolicy = "fcfs"
+
+    log_level: str = "info"
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+@dataclass(frozen=True)
+class ServerConfig(EngineConfig):
+    host: str = "127.0.0.1"
+    port: int = 30000
+    served_model_name: str = field(default="SmolLM2-135M-Instruct")

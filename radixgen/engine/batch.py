@@ -1,0 +1,84 @@
+"""A step's plan as flat arrays: which requests, which tokens, where their K/V go.
+
+The scheduler fills a ``StepPlan`` with numpy arrays (cheap to build on the host); the model
+runner turns it into device tensors once per step (see ``build_attention_plan``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from radixgen.engine.request import Request
+from radixgen.models.attention import AttentionPlan
+
+
+class StepKind(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class StepPlan:
+    kind: StepKind
+    requests: list[Request]
+    rows: np.ndarray  # [B] req_to_token row of each request
+    prefix_lens: np.ndarray  # [B] tokens already in the pool before this step
+    extend_lens: np.ndarray  # [B] new tokens this step (1 for decode)
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    out_cache_loc: np.ndarray  # [T] slots receiving the new tokens' K/V
+    sample_mask: np.ndarray | None = None
+    """[B] bool: requests whose next token is sampled this step (False for a non-final chunk)."""
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        return self.prefix_lens + self.extend_lens
+
+
+def build_attention_plan(
+    plan: StepPlan, req_to_token: torch.Tensor, device: torch.device
+) -> AttentionPlan:
+    """Device tensors for attention, built once per step and shared by every layer."""
+    out_cache_loc = torch.from_numpy(plan.out_cache_loc).to(device)
+    batch = plan.batch_size
+    if batch == 1 and plan.prefix_lens[0] == 0 and plan.kind is StepKind.PREFILL:
+        return AttentionPlan(out_cache_loc, None, None, None, None, is_decode=False, is_single_causal=True)
+
+    prefix = torch.from_numpy(plan.prefix_lens).to(device)
+    extend = torch.from_numpy(plan.extend_lens).to(device)
+    seq_lens = prefix + extend
+    max_len = int(plan.seq_lens.max())
+    rows = torch.from_numpy(plan.rows).to(device)
+    kv_indices = req_to_token[rows, :max_len]  # [B, L]
+    key_pos = torch.arange(max_len, device=device)
+
+    if plan.kind is StepKind.DECODE:
+        mask = (key_pos[None, :] < seq_lens[:, None]).view(batch, 1, 1, max_len)
+        return AttentionPlan(out_cache_loc, kv_indices, mask, None, None, is_decode=True)
+
+    max_q = int(plan.extend_lens.max())
+    q_pos = torch.arange(max_q, device=device)
+    # key j is visible to new token i of request b iff j <= prefix_b + i (causal) and j < seq_b
+    visible = (key_pos[None, None, :] <= (prefix[:, None, None] + q_pos[None, :, None])) & (
+        key_pos[None, None, :] < seq_lens[:, None, None]
+    )
+    starts = torch.cumsum(extend, 0) - extend
+    query_index = starts[:, None] + torch.minimum(q_pos[None, :], extend[:, None] - 1)  # [B, Q]
+    is_real = q_pos[None, :] < extend[:, None]
+    flat = torch.arange(batch * max_q, device=device).view(batch, max_q)
+    query_unpad = flat[is_real]  # row-major == the flat token order
+    return AttentionPlan(
+        out_cache_loc, kv_indices, visible.unsqueeze(1), query_index, query_unpad, is_decode=False
+    )

@@ -1,0 +1,336 @@
+"""Engine: the in-process front of the scheduler loop.
+
+The loop runs in a background thread. Callers hand requests over through a queue that the loop
+drains once per step; requests that arrive while others run join the batch at the next step.
+Results come back through a per-request callback that the loop calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import random
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from radixgen.config import EngineConfig
+from radixgen.engine.batch import StepKind
+from radixgen.engine.model_runner import ModelRunner
+from radixgen.engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from radixgen.engine.sampler import Sampler, SamplingBatch
+from radixgen.engine.scheduler import Scheduler
+from radixgen.errors import EngineDeadError, InvalidParamsError, OverloadedError, PromptTooLongError
+from radixgen.models import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class GenerationOutput:
+    """A finished request."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    error: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class _Collector:
+    """Accumulates deltas of one request into its final output (runs on the loop thread)."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    final: RequestOutput | None = None
+
+    def __call__(self, out: RequestOutput) -> None:
+        self.text.append(out.new_text)
+        self.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs:
+            self.logprobs.extend(out.new_logprobs)
+        if out.new_top_logprobs:
+            self.top_logprobs.extend(out.new_top_logprobs)
+        if out.finished:
+            self.final = out
+
+    def result(self, params: SamplingParams) -> GenerationOutput:
+        assert self.final is not None and self.final.finish_reason is not None
+        return GenerationOutput(
+            request_id=self.final.request_id, text="".join(self.text), token_ids=self.token_ids,
+            finish_reason=self.final.finish_reason, prompt_tokens=self.final.prompt_tokens,
+            completion_tokens=self.final.completion_tokens, cached_tokens=self.final.cached_tokens,
+            error=self.final.error, logprobs=self.logprobs if params.logprobs else None,
+            top_logprobs=self.top_logprobs if params.top_logprobs else None,
+        )
+
+
+class Engine:
+    """Load a model and serve generation requests with continuous batching.
+
+    ``Engine(EngineConfig(...))`` or ``Engine(dtype="bfloat16")`` (keywords override fields).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None, **overrides: Any) -> None:
+        self.config = replace(config or EngineConfig(), **overrides)
+        self.runner, loaded = ModelRunner.from_config(self.config, loaded)
+        self.tokenizer = loaded.tokenizer
+        self.model_config = loaded.config
+        self.model_path = loaded.path
+        pool = self.runner.pool
+        self.scheduler = Scheduler(self.config, pool, self.tokenizer, self.model_config.eos_token_ids)
+        self.sampler = Sampler(self.model_config.vocab_size, self.config.max_running_requests, self.runner.device)
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._rng = random.Random(self.config.seed)
+        self._ids = itertools.count()
+        self._stopped = threading.Event()
+        self._dead_reason: str | None = None
+        self._num_pending = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="radixgen-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API ---------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise InvalidParamsError(f"token ids must be integers in [0, {vocab})")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        """Token ids of a chat, ending with the assistant turn's opening."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        return self.tokenize(text)
+
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, *,
+        request_id: str | None = None, on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> Request:
+        """Submit one request; ``on_output`` is called on the engine thread with each delta."""
+        self._check_alive()
+        params = params or SamplingParams()
+        prompt_ids = self.tokenize(prompt)
+        self._check_length(prompt_ids, params)
+        with self._lock:
+            if self._num_pending >= self.config.max_queued_requests:
+                raise OverloadedError(
+                    f"{self._num_pending} requests are queued (max_queued_requests="
+                    f"{self.config.max_queued_requests}); retry later"
+                )
+            self._num_pending += 1
+        req = Request(
+            request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
+            prompt_ids=prompt_ids, params=params,
+            rng_seed=params.seed if params.seed is not None else self._rng.getrandbits(63),
+            on_output=self._wrap_callback(on_output),
+        )
+        self._inbox.put(("add", req))
+        return req
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Any:
+        """Blocking generation. One prompt -> one GenerationOutput; a list -> a list, in order."""
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], int)
+        )
+        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        if isinstance(sampling_params, Sequence):
+            params_list = list(sampling_params)
+            if len(params_list) != len(batch):
+                raise InvalidParamsError(
+                    f"got {len(params_list)} sampling params for {len(batch)} prompts; pass one or one each"
+                )
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(batch)
+        done = threading.Semaphore(0)
+        collectors = []
+        submitted: list[Request] = []
+        try:
+            for prompt, params in zip(batch, params_list, strict=True):
+                collector = _Collector()
+
+                def on_output(out: RequestOutput, c: _Collector = collector) -> None:
+                    c(out)
+                    if out.finished:
+                        done.release()
+
+                submitted.append(self.add_request(prompt, params, on_output=on_output))
+                collectors.append(collector)
+            for _ in submitted:
+                while not done.acquire(timeout=1.0):
+                    self._check_alive()
+        except BaseException:
+            for req in submitted:
+                self.abort(req.request_id)
+            raise
+        results = [c.result(p) for c, p in zip(collectors, params_list, strict=True)]
+        return results[0] if single else results
+
+    async def generate_stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield deltas as they are produced; leaving the loop early aborts the request."""
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        req = self.add_request(
+            prompt, params, request_id=request_id,
+            on_output=lambda out: loop.call_soon_threadsafe(deltas.put_nowait, out),
+        )
+        finished = False
+        try:
+            while not finished:
+                try:
+                    out = await asyncio.wait_for(deltas.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    self._check_alive()
+                    continue
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(req.request_id)
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- introspection (tests, /metrics) ------------------------------------------------
+
+    def run_on_loop(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+        """Run ``fn`` on the engine thread between steps and return its result."""
+        box: queue.Queue[tuple[bool, Any]] = queue.Queue()
+
+        def call() -> None:
+            try:
+                box.put((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                box.put((False, e))
+
+        self._inbox.put(("call", call))
+        ok, value = box.get(timeout=timeout)
+        if not ok:
+            raise value
+        return value
+
+    def kv_accounting(self) -> dict[str, int]:
+        """Slots free / held by requests / pool size, read consistently on the engine thread."""
+
+        def read() -> dict[str, int]:
+            pool = self.scheduler.pool
+            held = sum(r.num_computed for r in self.scheduler.requests.values())
+            return {"free": pool.available(), "held_by_requests": held, "pool_size": pool.num_slots,
+                    "active_requests": len(self.scheduler.requests)}
+
+        return self.run_on_loop(read)
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self._dead_reason is not None or self._stopped.is_set():
+            raise EngineDeadError(f"the engine is not running: {self._dead_reason or 'shut down'}")
+
+    def _check_length(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise InvalidParamsError("the prompt is empty; give at least one token")
+        limit = self.runner.pool.max_context_len
+        if len(prompt_ids) + params.max_new_tokens > limit:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt_ids)} tokens and max_new_tokens is {params.max_new_tokens}; "
+                f"together they must fit the context of {limit} tokens: shorten the prompt or lower max_new_tokens"
+            )
+        if len(prompt_ids) + 1 > self.runner.pool.num_slots:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt_ids)} tokens but the KV pool holds {self.runner.pool.num_slots}"
+            )
+
+    def _wrap_callback(self, fn: Callable[[RequestOutput], None] | None) -> Callable[[RequestOutput], None]:
+        def on_output(out: RequestOutput) -> None:
+            if out.finished:
+                with self._lock:
+                    self._num_pending -= 1
+            if fn is None:
+                return
+            try:
+                fn(out)
+            except Exception:  # a caller's callback must not take the loop down
+                logger.exception("output callback of %s failed", out.request_id)
+
+        return on_output
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            if kind == "add":
+                self.scheduler.add_request(payload)
+            elif kind == "abort":
+                self.scheduler.abort(payload)
+            elif kind == "call":
+                payload()
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                self._drain_inbox(block=not self.scheduler.has_work())
+                self.step()
+        except BaseException as e:  # the loop itself broke: fail everything, refuse new work
+            logger.exception("engine loop died")
+            self._dead_reason = f"{type(e).__name__}: {e}"
+        finally:
+            for request_id in list(self.scheduler.requests):
+                self.scheduler.abort(request_id, FinishReason.ERROR, error=self._dead_reason or "engine shut down")
+
+    def step(self) -> None:
+        """One scheduler step: plan, forward, sample, hand out results (loop thread only)."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return
+        try:
+            for req in plan.requests:
+                if req.params.has_penalties and req.num_computed == 0 and plan.kind is StepKind.PREFILL:
+                    self.sampler.penalties.reset_row(req.pool_row, req.prompt_ids, req.output_ids)
+            logits = self.runner.forward(plan)
+            batch = SamplingBatch.from_requests(plan.requests, self.model_config.vocab_size, self.runner.device)
+            result = self.sampler(logits, batch)
+        except Exception as e:  # an internal fault fails this step's requests, not the engine
+            logger.exception("step failed")
+            self.scheduler.fail_step(plan, f"internal error: {type(e).__name__}: {e}")
+            return
+        self.scheduler.process_results(plan, result)

@@ -1,0 +1,164 @@
+"""A request's plain data: what was asked (SamplingParams), where it stands, what it produced."""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from radixgen.errors import InvalidParamsError
+
+MAX_TOP_LOGPROBS = 20
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens or the context limit
+    ABORT = "abort"  # aborted by the caller (or its client went away)
+    ERROR = "error"  # an internal fault ended this request; the engine keeps serving
+
+
+def _check(ok: bool, name: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise InvalidParamsError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample and when to stop. Validates itself; errors name the field and its range."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0) disables top-k."""
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    """HF semantics: over prompt and output tokens; >1 discourages repeats."""
+    frequency_penalty: float = 0.0
+    """OpenAI semantics: subtract penalty * count of the token in the output so far."""
+    presence_penalty: float = 0.0
+    """OpenAI semantics: subtract penalty once if the token appeared in the output."""
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept a single string / lists for convenience; store tuples (frozen, hashable).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self.validate()
+
+    def validate(self) -> None:
+        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+               "max_new_tokens", "an integer >= 1", self.max_new_tokens)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and math.isfinite(value), name, "a finite number", value)
+        _check(0.0 <= self.temperature <= 100.0, "temperature", "in [0, 100]", self.temperature)
+        _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
+        _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0),
+               "top_k", "-1 (disabled) or an integer >= 0", self.top_k)
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
+        _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "in (0, 10]",
+               self.repetition_penalty)
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]",
+               self.frequency_penalty)
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]",
+               self.presence_penalty)
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+               "seed", "None or an integer in [0, 2**63)", self.seed)
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
+        _check(len(self.stop) <= 16, "stop", "at most 16 strings", len(self.stop))
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids", "non-negative integers", self.stop_token_ids)
+        _check(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+               "top_logprobs", f"an integer in [0, {MAX_TOP_LOGPROBS}]", self.top_logprobs)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (a delta), or its final state when finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    rng_seed: int
+    """The seed actually used: the caller's, or one drawn for this request at submission."""
+    on_output: Callable[[RequestOutput], None] | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    pool_row: int = -1
+    """Row of req_to_token while the request holds KV, else -1."""
+    num_computed: int = 0
+    """Leading tokens of prompt+output whose K/V are in the pool."""
+    cached_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    stop_trim_chars: int = 0
+    """Characters of the last delta's text that belong to a matched stop string."""
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    num_retractions: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids

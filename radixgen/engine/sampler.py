@@ -1,0 +1,203 @@
+"""Vectorised sampling for the whole batch: penalties, temperature, top-k, top-p, min-p, seeds.
+
+Randomness is counter-based: request i's uniform draw at output position n is a hash of
+(seed_i, n), computed for all rows at once. A request therefore samples the same tokens alone
+or in any batch, and after being retracted and resumed, with no per-request generator objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from radixgen.engine.request import Request
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding uint32 values (wrapping multiply)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_from_counter(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One float64 in [0, 1) per row from (seed, counter), both int64 [B]."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    h1 = _mix32(lo ^ _mix32(hi ^ _mix32((counters & _M32) ^ 0x9E3779B9)))
+    h2 = _mix32(h1 ^ 0x68E31DA4)
+    bits = ((h1 & 0xFFFFFF) << 24) | (h2 & 0xFFFFFF)  # 48 random bits
+    return bits.double() / float(1 << 48)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as device tensors, built once per step."""
+
+    temperatures: torch.Tensor  # [B] float32, 0 for greedy rows
+    top_p: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64, vocab size where disabled
+    min_p: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64
+    counters: torch.Tensor  # [B] int64: tokens generated so far
+    is_greedy: np.ndarray  # [B] bool (host)
+    need_top_p: bool
+    need_top_k: bool
+    need_min_p: bool
+    max_top_logprobs: int
+    want_logprobs: bool
+    rows: torch.Tensor  # [B] req_to_token rows (index of penalty state)
+    penalized: torch.Tensor | None  # [P] positions in the batch with penalties
+    repetition: torch.Tensor | None  # [P]
+    frequency: torch.Tensor | None  # [P]
+    presence: torch.Tensor | None  # [P]
+
+    @classmethod
+    def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
+        params = [r.params for r in requests]
+        temps = np.array([p.temperature for p in params], dtype=np.float32)
+        top_p = np.array([p.top_p for p in params], dtype=np.float32)
+        top_k = np.array([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=np.int64)
+        top_k = np.minimum(top_k, vocab_size)
+        min_p = np.array([p.min_p for p in params], dtype=np.float32)
+        greedy = temps == 0.0
+        sampled = ~greedy
+        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device)
+
+        def pen(name: str) -> torch.Tensor:
+            return tensor(np.array([getattr(params[i], name) for i in penalized], dtype=np.float32))
+
+        return cls(
+            temperatures=tensor(temps),
+            top_p=tensor(top_p),
+            top_k=tensor(top_k),
+            min_p=tensor(min_p),
+            seeds=tensor(np.array([r.rng_seed for r in requests], dtype=np.int64)),
+            counters=tensor(np.array([len(r.output_ids) for r in requests], dtype=np.int64)),
+            is_greedy=greedy,
+            need_top_p=bool((top_p[sampled] < 1.0).any()),
+            need_top_k=bool((top_k[sampled] < vocab_size).any()),
+            need_min_p=bool((min_p[sampled] > 0.0).any()),
+            max_top_logprobs=max((p.top_logprobs for p in params), default=0),
+            want_logprobs=any(p.logprobs for p in params),
+            rows=tensor(np.array([r.pool_row for r in requests], dtype=np.int64)),
+            penalized=tensor(np.array(penalized, dtype=np.int64)) if penalized else None,
+            repetition=pen("repetition_penalty") if penalized else None,
+            frequency=pen("frequency_penalty") if penalized else None,
+            presence=pen("presence_penalty") if penalized else None,
+        )
+
+
+@dataclass
+class SampleResult:
+    token_ids: np.ndarray  # [B] int64
+    logprobs: np.ndarray | None  # [B] float32: log-prob of the chosen token
+    top_ids: np.ndarray | None  # [B, n]
+    top_logprobs: np.ndarray | None  # [B, n]
+
+
+class PenaltyState:
+    """Token counts per req_to_token row for repetition / frequency / presence penalties.
+
+    Allocated on first use ([rows, vocab] int32 + bool); a row is reset when a request that
+    uses penalties takes it, and counts are bumped by one scatter per step.
+    """
+
+    def __init__(self, num_rows: int, vocab_size: int, device: torch.device) -> None:
+        self.num_rows, self.vocab_size, self.device = num_rows, vocab_size, device
+        self.output_counts: torch.Tensor | None = None
+        self.prompt_mask: torch.Tensor | None = None
+
+    def reset_row(self, row: int, prompt_ids: list[int], output_ids: list[int]) -> None:
+        if self.output_counts is None:
+            self.output_counts = torch.zeros((self.num_rows, self.vocab_size), dtype=torch.int32, device=self.device)
+            self.prompt_mask = torch.zeros((self.num_rows, self.vocab_size), dtype=torch.bool, device=self.device)
+        assert self.prompt_mask is not None
+        self.output_counts[row].zero_()
+        self.prompt_mask[row].zero_()
+        self.prompt_mask[row, torch.tensor(prompt_ids, dtype=torch.int64, device=self.device)] = True
+        if output_ids:
+            ids = torch.tensor(output_ids, dtype=torch.int64, device=self.device)
+            self.output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+
+    def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
+        """Penalise logits in place for the penalised rows."""
+        if batch.penalized is None:
+            return
+        assert self.output_counts is not None and self.prompt_mask is not None, "penalty row not reset"
+        assert batch.repetition is not None and batch.frequency is not None and batch.presence is not None
+        rows = batch.rows[batch.penalized]
+        counts = self.output_counts[rows]  # [P, V]
+        seen = counts > 0
+        sub = logits[batch.penalized]
+        # HF repetition penalty: over prompt and output, divide positive logits, multiply negative.
+        rep = batch.repetition[:, None]
+        in_context = seen | self.prompt_mask[rows]
+        sub = torch.where(in_context, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - batch.frequency[:, None] * counts - batch.presence[:, None] * seen
+        logits[batch.penalized] = sub
+
+    def record(self, batch: SamplingBatch, token_ids: torch.Tensor) -> None:
+        if batch.penalized is None or self.output_counts is None:
+            return
+        rows = batch.rows[batch.penalized]
+        self.output_counts[rows, token_ids[batch.penalized]] += 1
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, num_rows: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.penalties = PenaltyState(num_rows, vocab_size, device)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+        """Choose one token per row of float32 ``logits`` [B, vocab] (modified in place)."""
+        self.penalties.apply(logits, batch)
+        token_ids = logits.argmax(dim=-1)
+        sampled = np.flatnonzero(~batch.is_greedy)
+        if len(sampled):
+            idx = torch.from_numpy(sampled).to(logits.device)
+            token_ids[idx] = self._sample_rows(logits[idx], batch, idx)
+        self.penalties.record(batch, token_ids)
+        return self._result(logits, token_ids, batch)
+
+    def _sample_rows(self, logits: torch.Tensor, batch: SamplingBatch, idx: torch.Tensor) -> torch.Tensor:
+        logits = logits / batch.temperatures[idx, None]
+        if batch.need_top_k:
+            top_k = batch.top_k[idx]
+            kth = torch.topk(logits, int(top_k.max()), dim=-1).values.gather(1, (top_k - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if batch.need_min_p:
+            floor = batch.min_p[idx, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+        if batch.need_top_p:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            sorted_probs = sorted_probs.masked_fill(mass_before > batch.top_p[idx, None], 0.0)
+            probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+        # Inverse-CDF sampling with one counter-based uniform per row (the filters above only
+        # zero entries, so the un-normalised CDF is scaled by its total instead of renormalising).
+        cdf = probs.double().cumsum(dim=-1)
+        u = uniform_from_counter(batch.seeds[idx], batch.counters[idx]).to(cdf.device)
+        targets = (u * cdf[:, -1]).unsqueeze(1)
+        chosen = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+        return chosen.clamp_(max=self.vocab_size - 1)
+
+    def _result(self, logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+        chosen_lp = top_ids = top_lp = None
+        if batch.want_logprobs or batch.max_top_logprobs:
+            # Log-probabilities of the model's distribution (after penalties, before temperature).
+            logprobs = torch.log_softmax(logits, dim=-1)
+            chosen_lp = logprobs.gather(1, token_ids[:, None]).squeeze(1).cpu().numpy()
+            if batch.max_top_logprobs:
+                top = torch.topk(logprobs, batch.max_top_logprobs, dim=-1)
+                top_ids, top_lp = top.indices.cpu().numpy(), top.values.cpu().numpy()
+        return SampleResult(token_ids.cpu().numpy(), chosen_lp, top_ids, top_lp)

@@ -1,0 +1,67 @@
+"""Model definitions and loading. ``load_model`` is the entry point."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixgen.models.config import ModelConfig
+from radixgen.models.llama import LlamaForCausalLM
+from radixgen.models.loader import load_state_dict, resolve_model_dir
+
+# HF architecture name -> our implementation. All of these are the Llama block with config switches.
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Any  # a transformers fast tokenizer
+    path: Path
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def build_model(
+    cfg: ModelConfig, state: dict[str, torch.Tensor], *, dtype: torch.dtype,
+    device: str | torch.device = "cpu", max_positions: int | None = None,
+) -> LlamaForCausalLM:
+    if cfg.architecture not in MODEL_REGISTRY:
+        raise ValueError(
+            f"architecture {cfg.architecture!r} is not supported; supported: {sorted(MODEL_REGISTRY)}"
+        )
+    with torch.device(device):
+        model = MODEL_REGISTRY[cfg.architecture](cfg, dtype, max_positions or cfg.max_position_embeddings)
+    model.load_hf_state_dict(state)
+    return model.eval()
+
+
+def load_model(
+    model: str | os.PathLike[str] | None = None, *, dtype: str = "float32", device: str = "cpu",
+) -> LoadedModel:
+    """Load a checkpoint (HF folder, .gguf, or None for the bundled SmolLM2) and its tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir = resolve_model_dir(model)
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    net = build_model(cfg, load_state_dict(model_dir), dtype=torch_dtype(dtype), device=device)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return LoadedModel(model=net, config=cfg, tokenizer=tokenizer, path=model_dir)
+
+
+__all__ = ["MODEL_REGISTRY", "LoadedModel", "ModelConfig", "build_model", "load_model", "torch_dtype"]

@@ -1,0 +1,78 @@
+"""Attention over a token-level KV pool.
+
+Every layer receives the same ``AttentionPlan`` for the step: which pool slots the new tokens'
+K/V go to, and for each request which slots hold its whole sequence. K/V are gathered through
+those slot indices into a padded block and attended with SDPA under a mask that is causal
+within the new tokens and open over the cached prefix. Prefill, prefill-after-cached-prefix
+("extend") and decode are the same code with different lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionPlan:
+    """Per-step attention inputs shared by all layers (built once per step).
+
+    B requests, T new tokens in total, Q = the longest new-token run, L = the longest sequence.
+    """
+
+    out_cache_loc: torch.Tensor
+    """[T] int64: pool slot that receives each new token's K/V."""
+    kv_indices: torch.Tensor | None
+    """[B, L] int64: pool slots of each request's sequence, padded (padding is masked)."""
+    attn_mask: torch.Tensor | None
+    """[B, 1, Q, L] bool: True where a query may attend a key."""
+    query_index: torch.Tensor | None
+    """[B, Q] int64 into the T new tokens (padding repeats a valid index); None for decode."""
+    query_unpad: torch.Tensor | None
+    """[T] int64 into the flattened [B*Q] padded queries; None for decode."""
+    is_decode: bool
+    """Every request has exactly one new token: no query padding needed."""
+    is_single_causal: bool = False
+    """One request with no cached prefix: plain causal attention on the new K/V, no gather."""
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, heads, head_dim]
+    k: torch.Tensor,  # [T, kv_heads, head_dim]
+    v: torch.Tensor,  # [T, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [slots, kv_heads, head_dim] of this layer
+    v_cache: torch.Tensor,
+    plan: AttentionPlan,
+) -> torch.Tensor:
+    """Write the new K/V into the pool, attend, and return [T, heads * head_dim]."""
+    num_tokens, num_heads, head_dim = q.shape
+    k_cache[plan.out_cache_loc] = k
+    v_cache[plan.out_cache_loc] = v
+
+    if plan.is_single_causal:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0), is_causal=True, enable_gqa=True,
+        )  # [1, heads, T, head_dim]
+        return out[0].transpose(0, 1).reshape(num_tokens, num_heads * head_dim)
+
+    assert plan.kv_indices is not None and plan.attn_mask is not None, "plan lacks gather indices"
+    batch, max_len = plan.kv_indices.shape
+    flat_idx = plan.kv_indices.view(-1)
+    keys = k_cache[flat_idx].view(batch, max_len, -1, head_dim).transpose(1, 2)  # [B, kvh, L, D]
+    values = v_cache[flat_idx].view(batch, max_len, -1, head_dim).transpose(1, 2)
+
+    if plan.is_decode:
+        queries = q.unsqueeze(2)  # [B, heads, 1, D]
+    else:
+        assert plan.query_index is not None and plan.query_unpad is not None
+        queries = q[plan.query_index].transpose(1, 2)  # [B, heads, Q, D]
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=plan.attn_mask, enable_gqa=True
+    )  # [B, heads, Q, D]
+    out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)  # [B*Q, heads*D]
+    if plan.is_decode:
+        return out
+    return out[plan.query_unpad]

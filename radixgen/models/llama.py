@@ -1,0 +1,123 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM) as one PyTorch model.
+
+Differences between the members are config fields: GQA head counts, q/k/v bias (Qwen2), RoPE
+scaling (llama3 / linear), tied embeddings (SmolLM, small Qwen2). The forward takes one flat
+token stream for the whole batch plus an ``AttentionPlan``; there is no batch dimension.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixgen.models.attention import AttentionPlan, paged_attention
+from radixgen.models.config import ModelConfig
+from radixgen.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, linear
+
+
+def _weight(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(rows, cols, dtype=dtype), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_t = _weight(cfg.hidden_size, q_size + 2 * kv_size, dtype)
+        self.qkv_bias = (
+            nn.Parameter(torch.zeros(q_size + 2 * kv_size, dtype=dtype), requires_grad=False)
+            if cfg.attention_bias else None
+        )
+        self.o_t = _weight(q_size, cfg.hidden_size, dtype)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
+        k_cache: torch.Tensor, v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = linear(x, self.qkv_t, self.qkv_bias).split(self.split_sizes, dim=-1)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, k_cache, v_cache, plan)  # [T, heads*head_dim]
+        return out @ self.o_t
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(cfg, dtype)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
+        k_cache: torch.Tensor, v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, plan, k_cache, v_cache)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # A separate transposed copy even when tied: [hidden, vocab] is the fast matmul layout.
+        self.lm_head_t = _weight(cfg.hidden_size, cfg.vocab_size, dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        plan: AttentionPlan,
+        k_caches: torch.Tensor,  # [layers, slots, kv_heads, head_dim]
+        v_caches: torch.Tensor,
+        logits_index: torch.Tensor,  # [N] rows of T whose next-token logits are wanted
+    ) -> torch.Tensor:
+        """Return float32 logits [N, vocab] for the selected positions."""
+        x = self.embed[input_ids]  # [T, hidden]
+        cos, sin = self.rope(positions)
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
+            x = layer(x, cos, sin, plan, k_cache, v_cache)
+        x = self.norm(x[logits_index])  # the norm is per row, so selecting first is exact
+        return (x @ self.lm_head_t).float()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy an HF-named state dict in, fusing q/k/v and gate/up and transposing linears."""
+        cfg = self.config
+        dtype = self.embed.dtype
+
+        def take(name: str) -> torch.Tensor:
+            if name not in state:
+                raise KeyError(f"checkpoint lacks tensor {name!r}")
+            return state[name].to(dtype)
+
+        with torch.no_grad():
+            self.embed.copy_(take("model.embed_tokens.weight"))
+            head = state.get("lm_head.weight") if not cfg.tie_word_embeddings else None
+            self.lm_head_t.copy_((head.to(dtype) if head is not None else self.embed).t())
+            self.norm.weight.copy_(take("model.norm.weight"))
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                attn, mlp = layer.attn, layer.mlp
+                qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+                attn.qkv_t.copy_(torch.cat(qkv, dim=0).t())
+                if attn.qkv_bias is not None:
+                    attn.qkv_bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+                attn.o_t.copy_(take(p + "self_attn.o_proj.weight").t())
+                gate_up = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+                mlp.gate_up_t.copy_(torch.cat(gate_up, dim=0).t())
+                mlp.down_t.copy_(take(p + "mlp.down_proj.weight").t())
+                if mlp.gate_up_bias is not None and mlp.down_bias is not None:
+                    mlp.gate_up_bias.copy_(torch.cat([take(p + f"mlp.{n}_proj.bias") for n in ("gate", "up")]))
+                    mlp.down_bias.copy_(take(p + "mlp.down_proj.bias"))
+                layer.input_norm.weight.copy_(take(p + "input_layernorm.weight"))
+                layer.post_attn_norm.weight.copy_(take(p + "post_attention_layernorm.weight"))

