@@ -99,7 +99,7 @@ class Engine:
         self._ids = itertools.count()
         self._stopped = threading.Event()
         self._dead_reason: str | None = None
-        self._num_pending = 0
+        self._active_ids: set[str] = set()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="radixgen-engine", daemon=True)
         self._thread.start()
@@ -129,17 +129,19 @@ class Engine:
         params = params or SamplingParams()
         prompt_ids = self.tokenize(prompt)
         self._check_length(prompt_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         with self._lock:
-            if self._num_pending >= self.config.max_queued_requests:
+            if len(self._active_ids) >= self.config.max_queued_requests:
                 raise OverloadedError(
-                    f"{self._num_pending} requests are queued (max_queued_requests="
+                    f"{len(self._active_ids)} requests are in flight (max_queued_requests="
                     f"{self.config.max_queued_requests}); retry later"
                 )
-            self._num_pending += 1
+            if request_id in self._active_ids:
+                raise InvalidParamsError(f"request id {request_id!r} is already in use; ids must be unique")
+            self._active_ids.add(request_id)
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(
-            request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
-            prompt_ids=prompt_ids, params=params,
-            rng_seed=params.seed if params.seed is not None else self._rng.getrandbits(63),
+            request_id=request_id, prompt_ids=prompt_ids, params=params, rng_seed=seed,
             on_output=self._wrap_callback(on_output),
         )
         self._inbox.put(("add", req))
@@ -277,7 +279,7 @@ class Engine:
         def on_output(out: RequestOutput) -> None:
             if out.finished:
                 with self._lock:
-                    self._num_pending -= 1
+                    self._active_ids.discard(out.request_id)
             if fn is None:
                 return
             try:

@@ -41,6 +41,7 @@ class SlotAllocator:
         if n == 0:
             return
         assert not self._is_free[slots].any(), "double free of KV slots"
+        assert (slots != PAD_SLOT).all(), "the reserved pad slot was never allocated; cannot free it"
         assert len(np.unique(slots)) == n, "duplicate slots in one free"
         self._is_free[slots] = True
         self._stack[self._top : self._top + n] = slots

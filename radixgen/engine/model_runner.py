@@ -11,7 +11,7 @@ import torch
 from radixgen.config import EngineConfig
 from radixgen.engine.batch import StepPlan, build_attention_plan
 from radixgen.engine.kv_pool import KVPool
-from radixgen.models import LoadedModel, LlamaForCausalLM, load_model, torch_dtype
+from radixgen.models import LlamaForCausalLM, LoadedModel, load_model, torch_dtype
 
 logger = logging.getLogger(__name__)
 

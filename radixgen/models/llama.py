@@ -12,11 +12,7 @@ from torch import nn
 
 from radixgen.models.attention import AttentionPlan, paged_attention
 from radixgen.models.config import ModelConfig
-from radixgen.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, linear
-
-
-def _weight(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(rows, cols, dtype=dtype), requires_grad=False)
+from radixgen.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
 
 
 class Attention(nn.Module):
@@ -25,24 +21,20 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_t = _weight(cfg.hidden_size, q_size + 2 * kv_size, dtype)
-        self.qkv_bias = (
-            nn.Parameter(torch.zeros(q_size + 2 * kv_size, dtype=dtype), requires_grad=False)
-            if cfg.attention_bias else None
-        )
-        self.o_t = _weight(q_size, cfg.hidden_size, dtype)
+        self.qkv = Linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.attention_bias, dtype)
+        self.o = Linear(q_size, cfg.hidden_size, False, dtype)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
         k_cache: torch.Tensor, v_cache: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = linear(x, self.qkv_t, self.qkv_bias).split(self.split_sizes, dim=-1)
+        q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
         q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, k_cache, v_cache, plan)  # [T, heads*head_dim]
-        return out @ self.o_t
+        return self.o(out)
 
 
 class DecoderLayer(nn.Module):
@@ -69,8 +61,8 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        # A separate transposed copy even when tied: [hidden, vocab] is the fast matmul layout.
-        self.lm_head_t = _weight(cfg.hidden_size, cfg.vocab_size, dtype)
+        # A separate copy even when tied, so the head can live in oneDNN's packed layout.
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
 
     @torch.inference_mode()
     def forward(
@@ -88,7 +80,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
             x = layer(x, cos, sin, plan, k_cache, v_cache)
         x = self.norm(x[logits_index])  # the norm is per row, so selecting first is exact
-        return (x @ self.lm_head_t).float()
+        return self.lm_head(x).float()
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy an HF-named state dict in, fusing q/k/v and gate/up and transposing linears."""
@@ -103,21 +95,22 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             self.embed.copy_(take("model.embed_tokens.weight"))
             head = state.get("lm_head.weight") if not cfg.tie_word_embeddings else None
-            self.lm_head_t.copy_((head.to(dtype) if head is not None else self.embed).t())
+            self.lm_head.weight.copy_(head.to(dtype) if head is not None else self.embed)
             self.norm.weight.copy_(take("model.norm.weight"))
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 attn, mlp = layer.attn, layer.mlp
-                qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-                attn.qkv_t.copy_(torch.cat(qkv, dim=0).t())
-                if attn.qkv_bias is not None:
-                    attn.qkv_bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-                attn.o_t.copy_(take(p + "self_attn.o_proj.weight").t())
-                gate_up = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
-                mlp.gate_up_t.copy_(torch.cat(gate_up, dim=0).t())
-                mlp.down_t.copy_(take(p + "mlp.down_proj.weight").t())
-                if mlp.gate_up_bias is not None and mlp.down_bias is not None:
-                    mlp.gate_up_bias.copy_(torch.cat([take(p + f"mlp.{n}_proj.bias") for n in ("gate", "up")]))
-                    mlp.down_bias.copy_(take(p + "mlp.down_proj.bias"))
+                attn.qkv.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+                if attn.qkv.bias is not None:
+                    attn.qkv.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+                attn.o.weight.copy_(take(p + "self_attn.o_proj.weight"))
+                mlp.gate_up.weight.copy_(torch.cat([take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]))
+                mlp.down.weight.copy_(take(p + "mlp.down_proj.weight"))
+                if mlp.gate_up.bias is not None and mlp.down.bias is not None:
+                    mlp.gate_up.bias.copy_(torch.cat([take(p + f"mlp.{n}_proj.bias") for n in ("gate", "up")]))
+                    mlp.down.bias.copy_(take(p + "mlp.down_proj.bias"))
                 layer.input_norm.weight.copy_(take(p + "input_layernorm.weight"))
                 layer.post_attn_norm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()

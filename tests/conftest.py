@@ -1,0 +1,131 @@
+"""Shared fixtures: the real tokenizer, tiny random-weight models, engines with a leak check.
+
+Every engine made through ``make_engine`` (or the shared ones) is checked after each test: all
+KV slots are free and no request is left active (DESIGN.md's pool invariant).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from radixgen import Engine, EngineConfig
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+_live_engines: list[Engine] = []
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from radixgen.models.loader import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+def tiny_hf_config(kind: str = "llama", **overrides: Any) -> Any:
+    """A 2-layer config with the real 49152-token vocabulary (so the real tokenizer fits)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    common: dict[str, Any] = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+    )
+    common.update(overrides)
+    if kind == "qwen2":
+        return Qwen2Config(**common)
+    return LlamaConfig(**common)
+
+
+def make_tiny_hf_model(kind: str = "llama", seed: int = 0, **overrides: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(kind, **overrides), attn_implementation="eager")
+    with torch.no_grad():  # larger-than-default weights so logits are not all near zero
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    return model.eval()
+
+
+def save_tiny_model(path: Path, tokenizer: Any, kind: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+    model = make_tiny_hf_model(kind, seed, **overrides)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), tokenizer)
+
+
+def _track(engine: Engine) -> Engine:
+    _live_engines.append(engine)
+    return engine
+
+
+@pytest.fixture
+def make_engine(tiny_model_dir: Path) -> Iterator[Callable[..., Engine]]:
+    """Engines on the tiny model (or ``model=``) that are shut down after the test."""
+    made: list[Engine] = []
+
+    def factory(**overrides: Any) -> Engine:
+        overrides.setdefault("model", str(tiny_model_dir))
+        overrides.setdefault("kv_cache_tokens", 4096)
+        overrides.setdefault("max_context_len", 1024)
+        engine = _track(Engine(EngineConfig(**overrides)))
+        made.append(engine)
+        return engine
+
+    yield factory
+    for engine in made:
+        assert_no_leaks(engine)
+        engine.shutdown()
+        _live_engines.remove(engine)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir: Path) -> Iterator[Engine]:
+    engine = _track(Engine(EngineConfig(model=str(tiny_model_dir), kv_cache_tokens=8192, max_context_len=1024)))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def real_engine() -> Iterator[Engine]:
+    engine = _track(Engine(EngineConfig(kv_cache_tokens=16384, max_context_len=2048)))
+    yield engine
+    engine.shutdown()
+
+
+def assert_no_leaks(engine: Engine) -> None:
+    if not engine._thread.is_alive():
+        return
+    stats = engine.kv_accounting()
+    assert stats["active_requests"] == 0, f"requests left active after the test: {stats}"
+    assert stats["held_by_requests"] == 0, f"KV slots still held: {stats}"
+    assert stats["free"] == stats["pool_size"], f"KV slots leaked: {stats}"
+
+
+@pytest.fixture(autouse=True)
+def _kv_pool_invariant() -> Iterator[None]:
+    """After every test, every live engine (the shared ones included) holds no KV."""
+    yield
+    for engine in list(_live_engines):
+        assert_no_leaks(engine)

@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixgen.engine.kv_pool import PAD_SLOT, KVPool, SlotAllocator
+
+
+def test_alloc_returns_distinct_slots_and_none_when_short() -> None:
+    alloc = SlotAllocator(10)
+    a = alloc.alloc(4)
+    b = alloc.alloc(6)
+    assert a is not None and b is not None
+    assert sorted(np.concatenate([a, b]).tolist()) == list(range(1, 11)), "slot 0 is reserved"
+    assert alloc.alloc(1) is None
+    assert alloc.available() == 0
+    alloc.free(a)
+    assert alloc.available() == 4
+    assert alloc.alloc(5) is None, "a failed alloc must not take anything"
+    assert alloc.available() == 4
+
+
+def test_double_free_is_caught() -> None:
+    alloc = SlotAllocator(8)
+    slots = alloc.alloc(3)
+    assert slots is not None
+    alloc.free(slots)
+    with pytest.raises(AssertionError, match="double free"):
+        alloc.free(slots[:1])
+    with pytest.raises(AssertionError, match="pad slot"):
+        alloc.free(np.array([PAD_SLOT]))
+    assert alloc.available() == 8
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 12)), max_size=60))
+def test_random_alloc_free_keeps_every_slot_accounted(ops: list[tuple[bool, int]]) -> None:
+    alloc = SlotAllocator(32)
+    held: list[np.ndarray] = []
+    for is_alloc, n in ops:
+        if is_alloc or not held:
+            got = alloc.alloc(n)
+            if got is not None:
+                held.append(got)
+        else:
+            alloc.free(held.pop(n % len(held)))
+        owned = np.concatenate(held) if held else np.array([], dtype=np.int64)
+        assert len(np.unique(owned)) == len(owned)
+        assert alloc.available() + len(owned) == 32
+
+
+def test_pool_shapes_and_req_to_token_write() -> None:
+    import torch
+
+    pool = KVPool(num_slots=16, num_layers=2, num_kv_heads=3, head_dim=8, dtype=torch.float32,
+                  device="cpu", max_rows=4, max_context_len=32)
+    assert pool.k.shape == (2, 17, 3, 8)
+    slots = pool.slots.alloc(3)
+    assert slots is not None
+    pool.write(np.array([2, 2, 2]), np.array([0, 1, 2]), slots)
+    assert pool.row_slots(2, 3).tolist() == slots.tolist()
+    assert pool.req_to_token[2, :3].tolist() == slots.tolist(), "device view sees host writes"
+    assert KVPool.bytes_per_token(30, 3, 64, torch.float32) == 2 * 30 * 3 * 64 * 4

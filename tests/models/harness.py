@@ -1,0 +1,47 @@
+"""Drive a model through the KV pool by hand: extend any rows by any tokens, get every logit."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from radixgen.engine.batch import StepKind, StepPlan, build_attention_plan
+from radixgen.engine.kv_pool import KVPool
+from radixgen.models import LlamaForCausalLM
+
+
+class PoolHarness:
+    def __init__(self, model: LlamaForCausalLM, num_slots: int = 4096, max_rows: int = 8, max_context_len: int = 1024) -> None:
+        cfg = model.config
+        self.model = model
+        self.pool = KVPool(
+            num_slots=num_slots, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, dtype=model.embed.dtype, device="cpu", max_rows=max_rows,
+            max_context_len=max_context_len,
+        )
+        self.lengths = [0] * max_rows
+
+    def extend(self, batch: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        """Append tokens to rows (one entry per request) in one step; logits [n, vocab] per entry."""
+        rows = np.array([r for r, _ in batch], dtype=np.int64)
+        extend = np.array([len(t) for _, t in batch], dtype=np.int64)
+        prefix = np.array([self.lengths[r] for r in rows], dtype=np.int64)
+        positions = np.concatenate([np.arange(p, p + n) for p, n in zip(prefix, extend, strict=True)])
+        slots = self.pool.slots.alloc(int(extend.sum()))
+        assert slots is not None
+        self.pool.write(np.repeat(rows, extend), positions, slots)
+        is_decode = bool((extend == 1).all() and (prefix > 0).all())
+        plan = StepPlan(
+            kind=StepKind.DECODE if is_decode else StepKind.PREFILL, requests=[None] * len(batch),  # type: ignore[list-item]
+            rows=rows, prefix_lens=prefix, extend_lens=extend,
+            input_ids=np.concatenate([np.array(t, dtype=np.int64) for _, t in batch]),
+            positions=positions, out_cache_loc=slots,
+        )
+        for r, n in zip(rows, extend, strict=True):
+            self.lengths[r] += int(n)
+        attn = build_attention_plan(plan, self.pool.req_to_token, torch.device("cpu"))
+        all_rows = torch.arange(plan.num_tokens)
+        logits = self.model(
+            torch.from_numpy(plan.input_ids), torch.from_numpy(positions), attn, self.pool.k, self.pool.v, all_rows
+        )
+        return list(logits.split(extend.tolist()))

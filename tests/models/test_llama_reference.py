@@ -1,0 +1,94 @@
+"""Our model's logits equal transformers' on the same weights, through the KV pool.
+
+Tolerance: fp32 logits agree to 2e-4 absolute on the tiny models (their logits are O(1)) and to
+2e-3 on SmolLM2-135M (30 layers; different matmul kernels accumulate in different orders).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from radixgen.models import ModelConfig, build_model
+from tests.conftest import make_tiny_hf_model
+from tests.models.harness import PoolHarness
+
+TINY_CASES = {
+    "llama": dict(kind="llama"),
+    "qwen2-bias": dict(kind="qwen2"),
+    "llama-untied": dict(kind="llama", tie_word_embeddings=False),
+    "llama3-rope": dict(kind="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "linear-rope": dict(kind="llama", rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "mha-head-dim": dict(kind="llama", num_key_value_heads=4, head_dim=32),
+}
+
+
+def ours_from_hf(hf_model: Any) -> Any:
+    cfg = ModelConfig.from_hf(hf_model.config)
+    return build_model(cfg, hf_model.state_dict(), dtype=torch.float32)
+
+
+@torch.no_grad()
+def hf_logits(hf_model: Any, ids: list[int]) -> torch.Tensor:
+    return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 49152, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("case", sorted(TINY_CASES))
+def test_tiny_prefill_and_decode_match_transformers(case: str) -> None:
+    spec = dict(TINY_CASES[case])
+    hf = make_tiny_hf_model(spec.pop("kind"), seed=1, **spec)
+    ours = ours_from_hf(hf)
+    assert ours.config.attention_bias == (case == "qwen2-bias")
+    ids = _prompt(0, 90)
+    ref = hf_logits(hf, ids)
+    harness = PoolHarness(ours)
+    # prefill 80 tokens, then decode the rest one token per step through the pool
+    (prefill,) = harness.extend([(0, ids[:80])])
+    torch.testing.assert_close(prefill, ref[:80], atol=2e-4, rtol=0)
+    for i in range(80, 90):
+        (step,) = harness.extend([(0, [ids[i]])])
+        torch.testing.assert_close(step[0], ref[i], atol=2e-4, rtol=0)
+    assert ref.abs().max() > 0.5, "logits too small for the tolerance to mean anything"
+
+
+def test_batched_extend_with_cached_prefixes_matches_transformers() -> None:
+    """Requests of different lengths in one step, some extending a cached prefix."""
+    hf = make_tiny_hf_model("llama", seed=2)
+    harness = PoolHarness(ours_from_hf(hf))
+    a, b, c = _prompt(1, 40), _prompt(2, 75), _prompt(3, 9)
+    harness.extend([(0, a[:30]), (1, b[:50])])
+    outs = harness.extend([(0, a[30:]), (1, b[50:]), (2, c)])  # extend, extend, fresh prefill
+    for out, ids, start in zip(outs, (a, b, c), (30, 50, 0), strict=True):
+        torch.testing.assert_close(out, hf_logits(hf, ids)[start:], atol=2e-4, rtol=0)
+    decode = harness.extend([(0, [5]), (1, [6]), (2, [7])])  # mixed-length decode batch
+    for out, ids, tok in zip(decode, (a, b, c), (5, 6, 7), strict=True):
+        torch.testing.assert_close(out[0], hf_logits(hf, ids + [tok])[-1], atol=2e-4, rtol=0)
+
+
+@pytest.mark.real_model
+def test_smollm2_logits_match_transformers(default_model_dir: Any, tokenizer: Any) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from radixgen.models import load_model
+
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    ours = load_model(str(default_model_dir)).model
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three uses of a radix tree."}], add_generation_prompt=True, tokenize=False
+    )
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    ref = hf_logits(hf, ids)
+    harness = PoolHarness(ours)
+    (prefill,) = harness.extend([(0, ids[:-4])])
+    torch.testing.assert_close(prefill, ref[:-4], atol=2e-3, rtol=0)
+    for i in range(len(ids) - 4, len(ids)):
+        (step,) = harness.extend([(0, [ids[i]])])
+        torch.testing.assert_close(step[0], ref[i], atol=2e-3, rtol=0)
