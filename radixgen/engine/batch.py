@@ -48,7 +48,7 @@ class StepPlan:
 
 
 def build_attention_plan(
-    plan: StepPlan, req_to_token: torch.Tensor, device: torch.device
+    plan: StepPlan, req_to_token: torch.Tensor, device: torch.device, dtype: torch.dtype
 ) -> AttentionPlan:
     """Device tensors for attention, built once per step and shared by every layer."""
     out_cache_loc = torch.from_numpy(plan.out_cache_loc).to(device)
@@ -65,8 +65,8 @@ def build_attention_plan(
     key_pos = torch.arange(max_len, device=device)
 
     if plan.kind is StepKind.DECODE:
-        mask = (key_pos[None, :] < seq_lens[:, None]).view(batch, 1, 1, max_len)
-        return AttentionPlan(out_cache_loc, kv_indices, mask, None, None, is_decode=True)
+        visible = (key_pos[None, :] < seq_lens[:, None]).view(batch, 1, 1, max_len)
+        return AttentionPlan(out_cache_loc, kv_indices, _additive(visible, dtype), None, None, is_decode=True)
 
     max_q = int(plan.extend_lens.max())
     q_pos = torch.arange(max_q, device=device)
@@ -80,5 +80,12 @@ def build_attention_plan(
     flat = torch.arange(batch * max_q, device=device).view(batch, max_q)
     query_unpad = flat[is_real]  # row-major == the flat token order
     return AttentionPlan(
-        out_cache_loc, kv_indices, visible.unsqueeze(1), query_index, query_unpad, is_decode=False
+        out_cache_loc, kv_indices, _additive(visible.unsqueeze(1), dtype), query_index, query_unpad,
+        is_decode=False,
     )
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask -> 0 / -inf in the model's dtype, once per step: SDPA would otherwise convert
+    a bool mask again in every layer."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))

@@ -58,7 +58,7 @@ class ModelRunner:
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """float32 logits [B, vocab] at the last new token of every request in the plan."""
         device = self.device
-        attn = build_attention_plan(plan, self.pool.req_to_token, device)
+        attn = build_attention_plan(plan, self.pool.req_to_token, device, self.pool.k.dtype)
         input_ids = torch.from_numpy(plan.input_ids).to(device)
         positions = torch.from_numpy(plan.positions).to(device)
         last = np.cumsum(plan.extend_lens) - 1

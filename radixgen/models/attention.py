@@ -27,7 +27,7 @@ class AttentionPlan:
     kv_indices: torch.Tensor | None
     """[B, L] int64: pool slots of each request's sequence, padded (padding is masked)."""
     attn_mask: torch.Tensor | None
-    """[B, 1, Q, L] bool: True where a query may attend a key."""
+    """[B, 1, Q, L] additive, in the model's dtype: 0 where a query may attend a key, else -inf."""
     query_index: torch.Tensor | None
     """[B, Q] int64 into the T new tokens (padding repeats a valid index); None for decode."""
     query_unpad: torch.Tensor | None
@@ -61,18 +61,37 @@ def paged_attention(
     assert plan.kv_indices is not None and plan.attn_mask is not None, "plan lacks gather indices"
     batch, max_len = plan.kv_indices.shape
     flat_idx = plan.kv_indices.view(-1)
-    keys = k_cache[flat_idx].view(batch, max_len, -1, head_dim).transpose(1, 2)  # [B, kvh, L, D]
-    values = v_cache[flat_idx].view(batch, max_len, -1, head_dim).transpose(1, 2)
+    # index_select copies whole rows: ~10x faster than advanced indexing (aten::index) here.
+    keys = k_cache.index_select(0, flat_idx).view(batch, max_len, -1, head_dim).transpose(1, 2)  # [B, kvh, L, D]
+    values = v_cache.index_select(0, flat_idx).view(batch, max_len, -1, head_dim).transpose(1, 2)
 
     if plan.is_decode:
         queries = q.unsqueeze(2)  # [B, heads, 1, D]
     else:
         assert plan.query_index is not None and plan.query_unpad is not None
         queries = q[plan.query_index].transpose(1, 2)  # [B, heads, Q, D]
-    out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=plan.attn_mask, enable_gqa=True
-    )  # [B, heads, Q, D]
+    out = _attend(queries, keys, values, plan.attn_mask)  # [B, heads, Q, D]
     out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)  # [B*Q, heads*D]
     if plan.is_decode:
         return out
     return out[plan.query_unpad]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked GQA attention: q [B, H, Q, D], k/v [B, KVH, L, D], additive mask [B, 1, Q, L]
+    -> [B, H, Q, D].
+
+    SDPA everywhere but reduced precision on CPU, where its flash kernel with a mask was ~13x
+    slower than two grouped matmuls (bf16 decode, 32 x 300 keys: 7.5 ms vs 0.6 ms per layer).
+    """
+    if q.device.type != "cpu" or q.dtype == torch.float32:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    batch, num_heads, num_q, head_dim = q.shape
+    num_kv = k.shape[1]
+    group = num_heads // num_kv
+    # head h reads kv head h // group (transformers' repeat_kv order)
+    qg = q.reshape(batch, num_kv, group * num_q, head_dim)
+    scores = torch.matmul(qg, k.transpose(2, 3)).float() * (head_dim**-0.5)  # [B, KVH, G*Q, L]
+    scores = scores.view(batch, num_kv, group, num_q, -1) + mask.unsqueeze(1)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(batch, num_kv, group * num_q, -1)
+    return torch.matmul(probs, v).view(batch, num_heads, num_q, head_dim)

@@ -39,7 +39,7 @@ class PoolHarness:
         )
         for r, n in zip(rows, extend, strict=True):
             self.lengths[r] += int(n)
-        attn = build_attention_plan(plan, self.pool.req_to_token, torch.device("cpu"))
+        attn = build_attention_plan(plan, self.pool.req_to_token, torch.device("cpu"), self.pool.k.dtype)
         all_rows = torch.arange(plan.num_tokens)
         logits = self.model(
             torch.from_numpy(plan.input_ids), torch.from_numpy(positions), attn, self.pool.k, self.pool.v, all_rows

@@ -1,0 +1,60 @@
+"""Helpers shared by the benchmark scripts: prompts of exact token lengths, tables, JSON."""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+_PARAGRAPH = (
+    "Caching is the art of remembering work so it need not be done twice. A radix tree keeps "
+    "token sequences that share a beginning on one path, so a new request that starts like an "
+    "old one can reuse the attention keys and values computed before. Schedulers decide which "
+    "requests run together; batching amortises the cost of reading the weights from memory. "
+)
+
+
+def prompts_of_lengths(tokenizer: Any, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Distinct prompts (a random offset into a long text) of exactly the given token lengths."""
+    base = tokenizer.encode(_PARAGRAPH * 40, add_special_tokens=False)
+    rng = random.Random(seed)
+    out = []
+    for n in lengths:
+        start = rng.randrange(0, len(base) - n)
+        out.append(base[start : start + n])
+    return out
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "processor": platform.processor() or platform.machine(),
+    }
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.rjust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in columns))
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    return "-" if v is None else str(v)
+
+
+def write_json(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    payload = {"machine": machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **payload}
+    path.write_text(json.dumps(payload, indent=2))
+    return path

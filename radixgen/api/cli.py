@@ -1,0 +1,101 @@
+"""`radixgen` command line. Engine flags are generated from EngineConfig's fields, so their
+defaults are the dataclass defaults and a new config field is a new flag without more code."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from radixgen.config import EngineConfig
+
+
+def _flag_type(annotation: Any) -> tuple[Any, Sequence[Any] | None]:
+    """argparse type and choices for a dataclass field annotation."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Literal:
+        return str, args
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return _flag_type(inner[0]) if len(inner) == 1 else (str, None)
+    if annotation in (int, float, str):
+        return annotation, None
+    return str, None
+
+
+def add_config_flags(parser: argparse.ArgumentParser, config_cls: type[EngineConfig] = EngineConfig) -> None:
+    hints = typing.get_type_hints(config_cls)
+    group = parser.add_argument_group("engine options")
+    for f in dataclasses.fields(config_cls):
+        flag = "--" + f.name.replace("_", "-")
+        annotation = hints[f.name]
+        if annotation is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            continue
+        kind, choices = _flag_type(annotation)
+        group.add_argument(flag, type=kind, choices=choices, default=f.default, help=f"default: {f.default}")
+
+
+def config_from_args(args: argparse.Namespace, config_cls: type[EngineConfig] = EngineConfig) -> EngineConfig:
+    return config_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)})
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from radixgen import Engine, SamplingParams
+
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        seed=args.sample_seed,
+    )
+    with Engine(config_from_args(args)) as engine:
+        prompt: Any = args.prompt
+        if not args.raw:
+            prompt = engine.apply_chat_template([{"role": "user", "content": args.prompt}])
+        start = time.perf_counter()
+        out = engine.generate(prompt, params)
+        elapsed = time.perf_counter() - start
+    print(out.text)
+    print(
+        f"[{out.completion_tokens} tokens in {elapsed:.2f} s, {out.completion_tokens / elapsed:.1f} tok/s, "
+        f"finish_reason={out.finish_reason.value}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixgen", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sample-seed", type=int, default=None)
+    add_config_flags(gen)
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except ValueError as e:  # a user error: say what to change, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
