@@ -35,8 +35,15 @@ class EngineConfig:
     max_running_requests: int = 128
     max_prefill_tokens: int = 4096
     """Token budget of one prefill step."""
+    chunked_prefill_size: int = 2048
+    """Longest piece of one prompt computed in a step; longer prompts are split, with decode
+    steps in between. 0 disables chunking."""
     max_queued_requests: int = 4096
-    schedule_policy: SchedulePolicy = "fcfs"
+    schedule_policy: SchedulePolicy = "lpm"
+    """lpm: longest cached prefix first (fcfs when the queue is long); fcfs: arrival order."""
+    disable_radix_cache: bool = False
+    event_log: str | None = None
+    """Path of a JSON-lines log with one record per scheduler step (off when None)."""
 
     log_level: str = "info"
 

@@ -120,7 +120,8 @@ def assert_no_leaks(engine: Engine) -> None:
     stats = engine.kv_accounting()
     assert stats["active_requests"] == 0, f"requests left active after the test: {stats}"
     assert stats["held_by_requests"] == 0, f"KV slots still held: {stats}"
-    assert stats["free"] == stats["pool_size"], f"KV slots leaked: {stats}"
+    assert stats["free"] + stats["held_by_tree"] == stats["pool_size"], f"KV slots leaked: {stats}"
+    engine.run_on_loop(engine.scheduler.check_kv_invariant)
 
 
 @pytest.fixture(autouse=True)

@@ -13,6 +13,7 @@ import logging
 import queue
 import random
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -249,8 +250,8 @@ class Engine:
 
         def read() -> dict[str, int]:
             pool = self.scheduler.pool
-            held = sum(r.num_computed for r in self.scheduler.requests.values())
-            return {"free": pool.available(), "held_by_requests": held, "pool_size": pool.num_slots,
+            return {"free": pool.available(), "held_by_requests": self.scheduler.held_by_requests(),
+                    "held_by_tree": self.scheduler.tree.cached_tokens(), "pool_size": pool.num_slots,
                     "active_requests": len(self.scheduler.requests)}
 
         return self.run_on_loop(read)
@@ -324,10 +325,13 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return
+        start = time.perf_counter()
         try:
-            for req in plan.requests:
-                if req.params.has_penalties and req.num_computed == 0 and plan.kind is StepKind.PREFILL:
-                    self.sampler.penalties.reset_row(req.pool_row, req.prompt_ids, req.output_ids)
+            if plan.kind is StepKind.PREFILL:
+                for i, req in enumerate(plan.requests):
+                    # first chunk since admission: (re)build the penalty counts of its row
+                    if req.params.has_penalties and plan.prefix_lens[i] == req.prefix_len:
+                        self.sampler.penalties.reset_row(req.pool_row, req.prompt_ids, req.output_ids)
             logits = self.runner.forward(plan)
             batch = SamplingBatch.from_requests(plan.requests, self.model_config.vocab_size, self.runner.device)
             result = self.sampler(logits, batch)
@@ -335,4 +339,4 @@ class Engine:
             logger.exception("step failed")
             self.scheduler.fail_step(plan, f"internal error: {type(e).__name__}: {e}")
             return
-        self.scheduler.process_results(plan, result)
+        self.scheduler.process_results(plan, result, forward_s=time.perf_counter() - start)

@@ -27,6 +27,9 @@ class SlotAllocator:
     def available(self) -> int:
         return self._top
 
+    def free_slots(self) -> np.ndarray:
+        return self._stack[: self._top].copy()
+
     def alloc(self, n: int) -> np.ndarray | None:
         """n slot ids, or None (nothing taken) when fewer than n are free."""
         if n > self._top:

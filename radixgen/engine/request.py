@@ -137,7 +137,12 @@ class Request:
     """Row of req_to_token while the request holds KV, else -1."""
     num_computed: int = 0
     """Leading tokens of prompt+output whose K/V are in the pool."""
+    prefix_len: int = 0
+    """Leading tokens whose slots belong to the radix tree (locked at ``last_node``)."""
+    last_node: int = 0
+    """Radix node where the locked cached prefix ends (the root when nothing is locked)."""
     cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at first admission."""
     finish_reason: FinishReason | None = None
     error: str | None = None
     output_logprobs: list[float] = field(default_factory=list)
@@ -147,6 +152,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_retractions: int = 0
+    admitted: bool = False
 
     @property
     def prompt_len(self) -> int:

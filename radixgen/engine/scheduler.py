@@ -1,9 +1,13 @@
 """The scheduling loop's brain: which requests run this step, and what their results mean.
 
-Each step is either a prefill batch (waiting requests admitted under a token budget and the KV
-room left after reserving for running requests' decode) or a decode batch (one token for every
-running request), never both. Under KV pressure the most recently admitted running requests are
-retracted to the front of the queue and later recomputed, instead of failing.
+Each step is either a prefill batch or a decode batch, never both. A prefill batch admits
+waiting requests (by policy) under a token budget, the running cap and the KV room left after
+reserving part of what running requests may still generate; each admitted request first takes
+its longest cached prefix from the radix tree (locked while it runs) and computes only the rest.
+Prompts longer than ``chunked_prefill_size`` are computed a chunk per step with decode steps in
+between. Under KV pressure, unlocked tree leaves are evicted first; if that is not enough the most
+recently admitted running requests are retracted (their computed tokens go into the tree, so
+they resume cheaply). When a request ends, its sequence is inserted into the tree.
 """
 
 from __future__ import annotations
@@ -11,17 +15,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from radixgen.config import EngineConfig
 from radixgen.engine.batch import StepKind, StepPlan
-from radixgen.engine.detokenizer import IncrementalDetokenizer
 from radixgen.engine.kv_pool import KVPool
+from radixgen.engine.outputs import OutputProcessor
 from radixgen.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from radixgen.engine.sampler import SampleResult
+from radixgen.engine.stats import SchedulerStats, StepRecord
+from radixgen.radix import RadixTree
 
 logger = logging.getLogger(__name__)
 
@@ -29,44 +34,36 @@ logger = logging.getLogger(__name__)
 # still generate, clipped. Over-commit is safe (retraction), under-use wastes batch slots.
 _RESERVE_CLIP = 256
 _RESERVE_RATIO = 0.5
+# Past this queue length, lpm falls back to fcfs (matching every waiting prompt costs time).
+_LPM_MAX_QUEUE = 128
 
 
-@dataclass
-class SchedulerStats:
-    num_steps: int = 0
-    num_prefill_steps: int = 0
-    num_decode_steps: int = 0
-    num_retractions: int = 0
-    prompt_tokens: int = 0
-    computed_prompt_tokens: int = 0
-    generated_tokens: int = 0
-    batch_size_sum: int = 0
-    schedule_time_s: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
+def _reserve(req: Request) -> int:
+    return int(min(req.params.max_new_tokens - len(req.output_ids), _RESERVE_CLIP) * _RESERVE_RATIO)
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, pool: KVPool, tokenizer: Any, eos_token_ids: tuple[int, ...]) -> None:
         self.config = config
         self.pool = pool
-        self.tokenizer = tokenizer
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.tree = RadixTree()
+        self.use_cache = not config.disable_radix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.chunked: Request | None = None
+        """The request whose prompt is part-way through chunked prefill (holds KV, not running)."""
         self.requests: dict[str, Request] = {}
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.stats = SchedulerStats()
+        self.outputs = OutputProcessor(tokenizer, eos_token_ids, pool.max_context_len)
+        self.stats = SchedulerStats(event_log=config.event_log)
+        self._decode_turn = False
+        self._step = StepRecord()
 
     # ---- intake -------------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
         self.requests[req.request_id] = req
-        self.detokenizers[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_ids, skip_special_tokens=req.params.skip_special_tokens,
-            stop=req.params.stop,
-        )
-        self.stats.prompt_tokens += req.prompt_len
+        self.outputs.add(req)
         self.waiting.append(req)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> bool:
@@ -77,191 +74,252 @@ class Scheduler:
             self.waiting.remove(req)
         elif req in self.running:
             self.running.remove(req)
+        elif req is self.chunked:
+            self.chunked = None
         self._finish(req, reason, error=error)
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.chunked)
+
+    def held_by_requests(self) -> int:
+        """KV slots owned by requests (their cached prefixes belong to the tree)."""
+        return sum(r.num_computed - r.prefix_len for r in self.requests.values() if r.pool_row >= 0)
+
+    def check_kv_invariant(self) -> None:
+        """free + owned by requests + owned by the tree == pool, with no slot in two places."""
+        owned = [self.pool.row_slots(r.pool_row, r.num_computed)[r.prefix_len :]
+                 for r in self.requests.values() if r.pool_row >= 0]
+        tree_slots = self.tree.all_slots()
+        free = self.pool.slots.free_slots()
+        everything = np.concatenate([free, tree_slots, *owned])
+        assert len(everything) == self.pool.num_slots, (
+            f"free {len(free)} + tree {len(tree_slots)} + requests {sum(map(len, owned))} != pool {self.pool.num_slots}"
+        )
+        assert len(np.unique(everything)) == len(everything), "a KV slot is owned twice"
 
     # ---- planning -----------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
         start = time.perf_counter()
+        self._step = StepRecord()
         plan = None
-        if self.waiting and len(self.running) < self.config.max_running_requests:
+        decode_first = self._decode_turn and self.running
+        self._decode_turn = False
+        if not decode_first and (self.chunked or self.waiting):
             plan = self._schedule_prefill()
         if plan is None and self.running:
             plan = self._schedule_decode()
-        if plan is not None:
-            self.stats.num_steps += 1
-            self.stats.batch_size_sum += plan.batch_size
-            if plan.kind is StepKind.PREFILL:
-                self.stats.num_prefill_steps += 1
-            else:
-                self.stats.num_decode_steps += 1
-        self.stats.schedule_time_s += time.perf_counter() - start
+        self._step.schedule_s = time.perf_counter() - start
         return plan
-
-    def _decode_reservation(self) -> int:
-        remaining = sum(
-            min(r.params.max_new_tokens - len(r.output_ids), _RESERVE_CLIP) for r in self.running
-        )
-        return int(remaining * _RESERVE_RATIO)
 
     def _schedule_prefill(self) -> StepPlan | None:
         budget = self.config.max_prefill_tokens
-        room = self.pool.available() - self._decode_reservation()
-        max_batch = self.config.max_running_requests - len(self.running)
+        chunk_cap = self.config.chunked_prefill_size or None
+        room = self.pool.available() + self.tree.evictable_tokens() - sum(_reserve(r) for r in self.running)
+        free_batch = self.config.max_running_requests - len(self.running)
         selected: list[Request] = []
-        while self.waiting and len(selected) < max_batch:
-            req = self.waiting[0]
-            extend = req.seq_len
-            if selected and extend > budget:
+        extends: list[int] = []
+        is_last_chunk: list[bool] = []
+        if self.chunked is not None:
+            candidates: list[Request] = [self.chunked]
+        else:
+            self._order_waiting()
+            candidates = []
+        queue = iter(list(self.waiting))
+        while budget > 0 and len(selected) < free_batch:
+            if candidates:
+                req = candidates.pop()
+            else:
+                nxt = next(queue, None)
+                if nxt is None:
+                    break
+                req = nxt
+                if not self._admit(req, room, bool(selected or self.running)):
+                    break
+                self.waiting.remove(req)
+            remaining = req.seq_len - req.num_computed
+            limit = budget if chunk_cap is None else min(budget, chunk_cap)
+            if remaining <= limit or chunk_cap is None and not selected:
+                extend = remaining  # all of it (with chunking off, even past the budget, alone)
+            elif selected:
+                self._unadmit(req)  # a chunk starts a step of its own: take it next step
                 break
-            need = extend + int(min(req.params.max_new_tokens - len(req.output_ids), _RESERVE_CLIP) * _RESERVE_RATIO)
-            if need > room and (selected or self.running):
-                break  # wait for running requests to finish and free their KV
-            slots = self.pool.slots.alloc(extend)
+            else:
+                extend = limit
+            slots = self._alloc_slots(extend)
             if slots is None:
+                self._unadmit(req)
                 break
-            self.waiting.popleft()
-            req.pool_row = self.pool.rows.alloc()
-            self.pool.write(np.full(extend, req.pool_row), np.arange(extend), slots)
+            start = req.num_computed
+            self.pool.write(np.full(extend, req.pool_row), np.arange(start, start + extend), slots)
             req.status = RequestStatus.PREFILL
             selected.append(req)
+            extends.append(extend)
+            is_last_chunk.append(extend == remaining)
             budget -= extend
-            room -= need
+            room -= extend + _reserve(req)
+            if extend < remaining:
+                self.chunked = req
+                self._decode_turn = True  # let running requests decode before the next chunk
+                break
+            if req is self.chunked:
+                self.chunked = None
         if not selected:
             return None
-        extend_lens = np.array([r.seq_len for r in selected], dtype=np.int64)
-        input_ids = np.fromiter(
-            (t for r in selected for t in r.all_ids()), dtype=np.int64, count=int(extend_lens.sum())
+        return self._prefill_plan(selected, extends, is_last_chunk)
+
+    def _order_waiting(self) -> None:
+        if self.config.schedule_policy != "lpm" or not self.use_cache or len(self.waiting) > _LPM_MAX_QUEUE:
+            return
+        if len(self.waiting) > 1:
+            ranked = sorted(self.waiting, key=lambda r: -self.tree.peek_prefix_len(r.all_ids()))
+            self.waiting = deque(ranked)
+
+    def _admit(self, req: Request, room: int, others_present: bool) -> bool:
+        """Give ``req`` a req_to_token row and its cached prefix (locked); False if it must wait."""
+        tokens = req.all_ids()
+        match = self.tree.match_prefix(tokens[:-1]) if self.use_cache else None
+        prefix = match.length if match is not None else 0
+        need = len(tokens) - prefix + _reserve(req)
+        if others_present and need > room:
+            return False
+        if self.pool.rows.available() == 0:
+            return False
+        req.pool_row = self.pool.rows.alloc()
+        if match is not None and prefix:
+            self.tree.lock(match.node)
+            req.last_node = match.node
+            self.pool.write(np.full(prefix, req.pool_row), np.arange(prefix), match.slots)
+        req.prefix_len = req.num_computed = prefix
+        if not req.admitted:
+            req.admitted = True
+            req.cached_tokens = prefix
+            self.stats.prompt_tokens += req.prompt_len
+            self.stats.cached_prompt_tokens += min(prefix, req.prompt_len)
+        self._step.cached_tokens += prefix
+        return True
+
+    def _unadmit(self, req: Request) -> None:
+        """Undo ``_admit`` for a request that did not make it into the batch after all."""
+        if req is self.chunked:
+            return  # keeps its row and its computed chunks
+        self._release_kv(req, cache=False)
+        if req not in self.waiting:
+            self.waiting.appendleft(req)
+
+    def _prefill_plan(self, reqs: list[Request], extends: list[int], is_last: list[bool]) -> StepPlan:
+        extend_lens = np.array(extends, dtype=np.int64)
+        prefix_lens = np.array([r.num_computed for r in reqs], dtype=np.int64)
+        input_ids = np.concatenate(
+            [np.asarray(r.all_ids()[p : p + n], dtype=np.int64) for r, p, n in zip(reqs, prefix_lens, extends, strict=True)]
         )
-        positions = np.concatenate([np.arange(n) for n in extend_lens])
-        rows = np.array([r.pool_row for r in selected], dtype=np.int64)
+        positions = np.concatenate([np.arange(p, p + n) for p, n in zip(prefix_lens, extends, strict=True)])
+        rows = np.array([r.pool_row for r in reqs], dtype=np.int64)
         out_cache_loc = self.pool.req_to_token_host[np.repeat(rows, extend_lens), positions]
-        self.stats.computed_prompt_tokens += int(extend_lens.sum())
+        self._step.new_tokens = int(extend_lens.sum())
         return StepPlan(
-            kind=StepKind.PREFILL, requests=selected, rows=rows,
-            prefix_lens=np.zeros(len(selected), dtype=np.int64), extend_lens=extend_lens,
+            kind=StepKind.PREFILL, requests=reqs, rows=rows, prefix_lens=prefix_lens, extend_lens=extend_lens,
             input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
+            sample_mask=np.array(is_last, dtype=bool),
         )
 
-    def _schedule_decode(self) -> StepPlan:
-        while self.pool.available() < len(self.running) and len(self.running) > 1:
+    def _schedule_decode(self) -> StepPlan | None:
+        need = len(self.running)
+        while self.pool.available() + self.tree.evictable_tokens() < need and len(self.running) > 1:
             self._retract(self.running[-1])
-        if self.pool.available() < len(self.running):
+            need = len(self.running)
+        slots = self._alloc_slots(need)
+        if slots is None:
             # One request alone has filled the whole pool: it cannot grow any further.
             self.abort(self.running[0].request_id, FinishReason.LENGTH)
-            if not self.running:
-                return None  # type: ignore[return-value]
-        reqs = self.running
+            return None
+        reqs = list(self.running)
         batch = len(reqs)
-        slots = self.pool.slots.alloc(batch)
-        assert slots is not None, "decode slots were checked above"
         rows = np.fromiter((r.pool_row for r in reqs), dtype=np.int64, count=batch)
         positions = np.fromiter((r.seq_len - 1 for r in reqs), dtype=np.int64, count=batch)
         self.pool.write(rows, positions, slots)
         input_ids = np.fromiter((r.output_ids[-1] for r in reqs), dtype=np.int64, count=batch)
+        self._step.new_tokens = batch
         return StepPlan(
-            kind=StepKind.DECODE, requests=list(reqs), rows=rows, prefix_lens=positions,
+            kind=StepKind.DECODE, requests=reqs, rows=rows, prefix_lens=positions,
             extend_lens=np.ones(batch, dtype=np.int64), input_ids=input_ids, positions=positions,
             out_cache_loc=slots,
         )
 
+    # ---- KV ownership -------------------------------------------------------------------
+
+    def _alloc_slots(self, n: int) -> np.ndarray | None:
+        short = n - self.pool.available()
+        if short > 0 and self.use_cache:
+            freed = self.tree.evict(short)
+            self.pool.slots.free(freed)
+            self._step.evicted_tokens += len(freed)
+        return self.pool.slots.alloc(n)
+
     def _retract(self, req: Request) -> None:
-        """Give a running request's KV back; it re-enters the queue first and is recomputed."""
+        """Give a running request's KV back (into the tree); it re-enters the queue first."""
         self.running.remove(req)
-        self._release_kv(req)
+        self._release_kv(req, cache=True)
         req.status = RequestStatus.WAITING
         req.num_retractions += 1
-        self.stats.num_retractions += 1
+        self._step.retracted += 1
         self.waiting.appendleft(req)
         logger.debug("retracted %s (%d tokens)", req.request_id, req.seq_len)
 
-    def _release_kv(self, req: Request) -> None:
+    def _release_kv(self, req: Request, cache: bool) -> None:
         if req.pool_row < 0:
             return
-        self.pool.slots.free(self.pool.row_slots(req.pool_row, req.num_computed).copy())
+        n = req.num_computed
+        slots = self.pool.row_slots(req.pool_row, n).copy()
+        owned_from = req.prefix_len  # slots before this belong to the tree
+        if cache and self.use_cache and n > 0:
+            # The tree takes what it lacks; what it already had we computed twice: free ours.
+            existing = self.tree.insert(req.all_ids()[:n], slots)
+            assert existing >= req.prefix_len, "a locked prefix vanished from the tree"
+            owned_from, n = req.prefix_len, existing
+        self.pool.slots.free(slots[owned_from:n])
+        self.tree.unlock(req.last_node)
         self.pool.rows.free(req.pool_row)
         req.pool_row = -1
-        req.num_computed = 0
+        req.num_computed = req.prefix_len = req.last_node = 0
 
     # ---- results ------------------------------------------------------------------------
 
-    def process_results(self, plan: StepPlan, result: SampleResult) -> list[RequestOutput]:
+    def process_results(self, plan: StepPlan, result: SampleResult, forward_s: float = 0.0) -> list[RequestOutput]:
         outputs = []
-        now = time.monotonic()
         for i, req in enumerate(plan.requests):
             req.num_computed += int(plan.extend_lens[i])
-            if req.is_finished:  # aborted while the step ran (cannot happen in-loop; defensive)
-                continue
+            if plan.sample_mask is not None and not plan.sample_mask[i]:
+                continue  # a non-final chunk: nothing to sample yet
             if plan.kind is StepKind.PREFILL:
                 req.status = RequestStatus.DECODE
                 self.running.append(req)
-            token = int(result.token_ids[i])
-            req.output_ids.append(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if result.logprobs is not None:
-                req.output_logprobs.append(float(result.logprobs[i]))
-            if result.top_ids is not None and result.top_logprobs is not None and req.params.top_logprobs:
-                n = req.params.top_logprobs
-                req.output_top_logprobs.append(
-                    list(zip(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist(), strict=True))
-                )
-            outputs.append(self._after_token(req, token))
-        self.stats.generated_tokens += len(plan.requests)
+            reason = self.outputs.append_token(req, int(result.token_ids[i]), result, i)
+            self.stats.generated_tokens += 1
+            if reason is None:
+                outputs.append(self.outputs.emit(req, final=False, has_new_token=True))
+            else:
+                self.running.remove(req)
+                outputs.append(self._finish(req, reason, has_new_token=True))
+        self._step.kind = plan.kind.value
+        self._step.batch_size = plan.batch_size
+        self._step.forward_s = forward_s
+        self.stats.record(self._step, queue_depth=len(self.waiting), running=len(self.running),
+                          kv_used=self.pool.used(), cached=self.tree.cached_tokens())
         return outputs
-
-    def _after_token(self, req: Request, token: int) -> RequestOutput:
-        params = req.params
-        detok = self.detokenizers[req.request_id]
-        reason: FinishReason | None = None
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            reason = FinishReason.STOP  # the stop token's text is not part of the output
-        else:
-            detok.add_token(token)
-            if detok.stopped:
-                reason = FinishReason.STOP
-            elif len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.pool.max_context_len:
-                reason = FinishReason.LENGTH
-        if reason is None:
-            return self._emit(req, final=False, has_new_token=True)
-        self.running.remove(req)
-        return self._finish(req, reason, has_new_token=True)
-
-    def _emit(self, req: Request, *, final: bool, has_new_token: bool) -> RequestOutput:
-        detok = self.detokenizers[req.request_id]
-        out = RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=req.output_ids[-1:] if has_new_token else [],
-            new_text=detok.take_delta(final),
-            finished=final,
-            finish_reason=req.finish_reason,
-            error=req.error,
-            prompt_tokens=req.prompt_len,
-            completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens,
-            new_logprobs=req.output_logprobs[-1:] if has_new_token and req.params.logprobs else None,
-            new_top_logprobs=(
-                req.output_top_logprobs[-1:] if has_new_token and req.params.top_logprobs else None
-            ),
-        )
-        if req.on_output is not None:
-            req.on_output(out)
-        return out
 
     def _finish(
         self, req: Request, reason: FinishReason, *, error: str | None = None, has_new_token: bool = False
     ) -> RequestOutput:
-        self._release_kv(req)
+        # A failed step may have left garbage in its slots: do not cache them then.
+        self._release_kv(req, cache=reason is not FinishReason.ERROR)
         req.status = RequestStatus.ABORTED if reason in (FinishReason.ABORT, FinishReason.ERROR) else RequestStatus.FINISHED
         req.finish_reason = reason
         req.error = error
-        out = self._emit(req, final=True, has_new_token=has_new_token)
+        out = self.outputs.emit(req, final=True, has_new_token=has_new_token)
+        self.outputs.remove(req)
         del self.requests[req.request_id]
-        del self.detokenizers[req.request_id]
         return out
 
     def fail_step(self, plan: StepPlan, error: str) -> None:
@@ -271,5 +329,7 @@ class Scheduler:
                 continue
             if req in self.running:
                 self.running.remove(req)
+            if req is self.chunked:
+                self.chunked = None
             req.num_computed += int(plan.extend_lens[i])  # their slots were allocated for this step
             self._finish(req, FinishReason.ERROR, error=error)

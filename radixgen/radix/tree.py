@@ -85,6 +85,24 @@ class RadixTree:
         slots = np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
         return MatchResult(slots=slots, node=node)
 
+    def peek_prefix_len(self, tokens: list[int]) -> int:
+        """Length of the cached prefix, without splitting edges or touching access times."""
+        node, pos = ROOT, 0
+        arr: np.ndarray | None = None
+        while pos < len(tokens):
+            child = self.children[node].get(tokens[pos])
+            if child is None:
+                break
+            key = self.keys[child]
+            if arr is None:
+                arr = np.asarray(tokens, dtype=np.int64)
+            m = _common_prefix_len(key, arr[pos:])
+            pos += m
+            if m < len(key):
+                break
+            node = child
+        return pos
+
     # ---- updates ------------------------------------------------------------------------
 
     def insert(self, tokens: np.ndarray | list[int], slots: np.ndarray) -> int:

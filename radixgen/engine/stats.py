@@ -1,0 +1,89 @@
+"""Scheduler counters (read by /metrics and benchmarks) and the per-step JSON-lines event log."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import IO
+
+
+@dataclass
+class StepRecord:
+    """What one step did; filled by the scheduler, written to the event log when enabled."""
+
+    kind: str = ""
+    batch_size: int = 0
+    new_tokens: int = 0
+    cached_tokens: int = 0
+    evicted_tokens: int = 0
+    retracted: int = 0
+    schedule_s: float = 0.0
+    forward_s: float = 0.0
+
+
+class SchedulerStats:
+    def __init__(self, event_log: str | None = None) -> None:
+        self.num_steps = 0
+        self.num_prefill_steps = 0
+        self.num_decode_steps = 0
+        self.batch_size_sum = 0
+        self.decode_batch_size_sum = 0
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
+        self.computed_tokens = 0
+        self.generated_tokens = 0
+        self.evicted_tokens = 0
+        self.num_retractions = 0
+        self.schedule_time_s = 0.0
+        self.forward_time_s = 0.0
+        self.queue_depth = 0
+        self.running = 0
+        self.kv_used = 0
+        self.cached_tokens = 0
+        self._log: IO[str] | None = open(event_log, "a", buffering=1) if event_log else None  # noqa: SIM115
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Share of admitted prompt tokens served from the prefix cache."""
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def avg_batch_size(self) -> float:
+        return self.batch_size_sum / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def avg_decode_batch_size(self) -> float:
+        return self.decode_batch_size_sum / self.num_decode_steps if self.num_decode_steps else 0.0
+
+    def record(self, step: StepRecord, *, queue_depth: int, running: int, kv_used: int, cached: int) -> None:
+        self.num_steps += 1
+        self.batch_size_sum += step.batch_size
+        if step.kind == "prefill":
+            self.num_prefill_steps += 1
+        else:
+            self.num_decode_steps += 1
+            self.decode_batch_size_sum += step.batch_size
+        self.computed_tokens += step.new_tokens
+        self.evicted_tokens += step.evicted_tokens
+        self.num_retractions += step.retracted
+        self.schedule_time_s += step.schedule_s
+        self.forward_time_s += step.forward_s
+        self.queue_depth, self.running, self.kv_used, self.cached_tokens = queue_depth, running, kv_used, cached
+        if self._log is not None:
+            record = asdict(step) | {"step": self.num_steps, "queue_depth": queue_depth, "running": running,
+                                     "kv_used": kv_used, "tree_tokens": cached}
+            self._log.write(json.dumps(record) + "\n")
+
+    def snapshot(self) -> dict[str, float]:
+        keys = ("num_steps", "num_prefill_steps", "num_decode_steps", "prompt_tokens", "cached_prompt_tokens",
+                "computed_tokens", "generated_tokens", "evicted_tokens", "num_retractions", "schedule_time_s",
+                "forward_time_s", "queue_depth", "running", "kv_used", "cached_tokens")
+        out: dict[str, float] = {k: getattr(self, k) for k in keys}
+        out |= {"cache_hit_rate": self.cache_hit_rate, "avg_batch_size": self.avg_batch_size,
+                "avg_decode_batch_size": self.avg_decode_batch_size}
+        return out
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
