@@ -69,6 +69,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from radixgen.engine.simulator import CostModel, load_trace, simulate, synthetic_trace
+
+    trace = synthetic_trace(args.synthetic, seed=args.seed) if args.synthetic else load_trace(args.trace)
+    report = simulate(trace, config_from_args(args), CostModel())
+    print(report.summary())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixgen", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sample-seed", type=int, default=None)
     add_config_flags(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    sim = sub.add_parser("simulate", help="run the scheduler on a request trace with modelled model time")
+    sim.add_argument("trace", nargs="?", help="JSON-lines trace (see radixgen.engine.simulator.load_trace)")
+    sim.add_argument("--synthetic", type=int, default=0, help="instead of a file, a synthetic trace of N requests")
+    add_config_flags(sim)
+    sim.set_defaults(func=_cmd_simulate)
     return parser
 
 

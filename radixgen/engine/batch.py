@@ -33,6 +33,8 @@ class StepPlan:
     out_cache_loc: np.ndarray  # [T] slots receiving the new tokens' K/V
     sample_mask: np.ndarray | None = None
     """[B] bool: requests whose next token is sampled this step (False for a non-final chunk)."""
+    batch_version: int | None = None
+    """Decode only: equal versions mean the same requests in the same order as before."""
 
     @property
     def batch_size(self) -> int:

@@ -16,14 +16,14 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from radixgen.config import EngineConfig
 from radixgen.engine.batch import StepKind
 from radixgen.engine.model_runner import ModelRunner
 from radixgen.engine.request import FinishReason, Request, RequestOutput, SamplingParams
-from radixgen.engine.sampler import Sampler, SamplingBatch
+from radixgen.engine.sampler import Sampler, SamplingBatchCache
 from radixgen.engine.scheduler import Scheduler
 from radixgen.errors import EngineDeadError, InvalidParamsError, OverloadedError, PromptTooLongError
 from radixgen.models import LoadedModel
@@ -51,32 +51,24 @@ class GenerationOutput:
 
 @dataclass
 class _Collector:
-    """Accumulates deltas of one request into its final output (runs on the loop thread)."""
+    """Keeps the final output of one non-streaming request (set on the loop thread)."""
 
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     final: RequestOutput | None = None
 
     def __call__(self, out: RequestOutput) -> None:
-        self.text.append(out.new_text)
-        self.token_ids.extend(out.new_token_ids)
-        if out.new_logprobs:
-            self.logprobs.extend(out.new_logprobs)
-        if out.new_top_logprobs:
-            self.top_logprobs.extend(out.new_top_logprobs)
         if out.finished:
             self.final = out
 
-    def result(self, params: SamplingParams) -> GenerationOutput:
+    def result(self, req: Request) -> GenerationOutput:
         assert self.final is not None and self.final.finish_reason is not None
+        assert self.final.output_ids is not None and self.final.text is not None
+        params = req.params
         return GenerationOutput(
-            request_id=self.final.request_id, text="".join(self.text), token_ids=self.token_ids,
+            request_id=self.final.request_id, text=self.final.text, token_ids=self.final.output_ids,
             finish_reason=self.final.finish_reason, prompt_tokens=self.final.prompt_tokens,
             completion_tokens=self.final.completion_tokens, cached_tokens=self.final.cached_tokens,
-            error=self.final.error, logprobs=self.logprobs if params.logprobs else None,
-            top_logprobs=self.top_logprobs if params.top_logprobs else None,
+            error=self.final.error, logprobs=list(req.output_logprobs) if params.logprobs else None,
+            top_logprobs=list(req.output_top_logprobs) if params.top_logprobs else None,
         )
 
 
@@ -101,6 +93,7 @@ class Engine:
         self._stopped = threading.Event()
         self._dead_reason: str | None = None
         self._active_ids: set[str] = set()
+        self._sampling_batches = SamplingBatchCache(self.model_config.vocab_size, self.runner.device)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="radixgen-engine", daemon=True)
         self._thread.start()
@@ -124,8 +117,10 @@ class Engine:
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, *,
         request_id: str | None = None, on_output: Callable[[RequestOutput], None] | None = None,
+        stream: bool = True,
     ) -> Request:
-        """Submit one request; ``on_output`` is called on the engine thread with each delta."""
+        """Submit one request; ``on_output`` is called on the engine thread with each delta
+        (``stream=True``) or only with the final output."""
         self._check_alive()
         params = params or SamplingParams()
         prompt_ids = self.tokenize(prompt)
@@ -143,7 +138,7 @@ class Engine:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(
             request_id=request_id, prompt_ids=prompt_ids, params=params, rng_seed=seed,
-            on_output=self._wrap_callback(on_output),
+            on_output=self._wrap_callback(on_output), stream=stream,
         )
         self._inbox.put(("add", req))
         return req
@@ -180,7 +175,7 @@ class Engine:
                     if out.finished:
                         done.release()
 
-                submitted.append(self.add_request(prompt, params, on_output=on_output))
+                submitted.append(self.add_request(prompt, params, on_output=on_output, stream=False))
                 collectors.append(collector)
             for _ in submitted:
                 while not done.acquire(timeout=1.0):
@@ -189,7 +184,7 @@ class Engine:
             for req in submitted:
                 self.abort(req.request_id)
             raise
-        results = [c.result(p) for c, p in zip(collectors, params_list, strict=True)]
+        results = [c.result(r) for c, r in zip(collectors, submitted, strict=True)]
         return results[0] if single else results
 
     async def generate_stream(
@@ -333,8 +328,7 @@ class Engine:
                     if req.params.has_penalties and plan.prefix_lens[i] == req.prefix_len:
                         self.sampler.penalties.reset_row(req.pool_row, req.prompt_ids, req.output_ids)
             logits = self.runner.forward(plan)
-            batch = SamplingBatch.from_requests(plan.requests, self.model_config.vocab_size, self.runner.device)
-            result = self.sampler(logits, batch)
+            result = self.sampler(logits, self._sampling_batches.get(plan))
         except Exception as e:  # an internal fault fails this step's requests, not the engine
             logger.exception("step failed")
             self.scheduler.fail_step(plan, f"internal error: {type(e).__name__}: {e}")

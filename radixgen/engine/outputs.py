@@ -42,7 +42,7 @@ class OutputProcessor:
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return FinishReason.STOP  # the stop token's text is not part of the output
         detok = self.detokenizers[req.request_id]
-        if self.tokenizer is not None:
+        if self.tokenizer is not None:  # None in the trace simulator: no text at all
             detok.add_token(token)
         if detok.stopped:
             return FinishReason.STOP
@@ -50,7 +50,10 @@ class OutputProcessor:
             return FinishReason.LENGTH
         return None
 
-    def emit(self, req: Request, *, final: bool, has_new_token: bool) -> RequestOutput:
+    def emit(self, req: Request, *, final: bool, has_new_token: bool) -> RequestOutput | None:
+        """Hand a delta to the request's callback; non-streaming requests only get the end."""
+        if not final and (not req.stream or req.on_output is None):
+            return None
         detok = self.detokenizers[req.request_id]
         out = RequestOutput(
             request_id=req.request_id,
@@ -64,6 +67,8 @@ class OutputProcessor:
             cached_tokens=req.cached_tokens,
             new_logprobs=req.output_logprobs[-1:] if has_new_token and req.params.logprobs else None,
             new_top_logprobs=req.output_top_logprobs[-1:] if has_new_token and req.params.top_logprobs else None,
+            output_ids=list(req.output_ids) if final else None,
+            text=detok.text if final else None,
         )
         if req.on_output is not None:
             req.on_output(out)

@@ -121,6 +121,10 @@ class RequestOutput:
     cached_tokens: int = 0
     new_logprobs: list[float] | None = None
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    output_ids: list[int] | None = None
+    """Final output only: every output token id (streamed deltas add up to the same)."""
+    text: str | None = None
+    """Final output only: the whole output text."""
 
 
 @dataclass(eq=False)
@@ -131,6 +135,8 @@ class Request:
     rng_seed: int
     """The seed actually used: the caller's, or one drawn for this request at submission."""
     on_output: Callable[[RequestOutput], None] | None = None
+    stream: bool = True
+    """Call ``on_output`` for every token; when False, only once at the end."""
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     pool_row: int = -1

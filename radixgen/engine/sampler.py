@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixgen.engine.batch import StepPlan
 from radixgen.engine.request import Request
 
 _M32 = 0xFFFFFFFF
@@ -94,6 +95,23 @@ class SamplingBatch:
             frequency=pen("frequency_penalty") if penalized else None,
             presence=pen("presence_penalty") if penalized else None,
         )
+
+
+class SamplingBatchCache:
+    """Reuses a decode batch's sampling tensors while the batch is unchanged."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size, self.device = vocab_size, device
+        self._cached: tuple[int, SamplingBatch] | None = None
+
+    def get(self, plan: StepPlan) -> SamplingBatch:
+        cached = self._cached
+        if plan.batch_version is not None and cached is not None and cached[0] == plan.batch_version:
+            cached[1].counters += 1  # every request produced exactly one token since
+            return cached[1]
+        batch = SamplingBatch.from_requests(plan.requests, self.vocab_size, self.device)
+        self._cached = (plan.batch_version, batch) if plan.batch_version is not None else None
+        return batch
 
 
 @dataclass

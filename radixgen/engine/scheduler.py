@@ -50,6 +50,9 @@ class Scheduler:
         self.use_cache = not config.disable_radix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.running_version = 0
+        """Bumped whenever ``running`` changes; per-batch arrays are reused while it stands."""
+        self._decode_arrays: tuple[int, np.ndarray, np.ndarray] | None = None
         self.chunked: Request | None = None
         """The request whose prompt is part-way through chunked prefill (holds KV, not running)."""
         self.requests: dict[str, Request] = {}
@@ -73,11 +76,15 @@ class Scheduler:
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         elif req in self.running:
-            self.running.remove(req)
+            self._remove_running(req)
         elif req is self.chunked:
             self.chunked = None
         self._finish(req, reason, error=error)
         return True
+
+    def _remove_running(self, req: Request) -> None:
+        self.running.remove(req)
+        self.running_version += 1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
@@ -236,15 +243,21 @@ class Scheduler:
             return None
         reqs = list(self.running)
         batch = len(reqs)
-        rows = np.fromiter((r.pool_row for r in reqs), dtype=np.int64, count=batch)
-        positions = np.fromiter((r.seq_len - 1 for r in reqs), dtype=np.int64, count=batch)
+        cached = self._decode_arrays
+        if cached is not None and cached[0] == self.running_version:
+            # same batch as the last decode step: every sequence grew by exactly one token
+            rows, positions = cached[1], cached[2] + 1
+        else:
+            rows = np.fromiter((r.pool_row for r in reqs), dtype=np.int64, count=batch)
+            positions = np.fromiter((r.seq_len - 1 for r in reqs), dtype=np.int64, count=batch)
+        self._decode_arrays = (self.running_version, rows, positions)
         self.pool.write(rows, positions, slots)
         input_ids = np.fromiter((r.output_ids[-1] for r in reqs), dtype=np.int64, count=batch)
         self._step.new_tokens = batch
         return StepPlan(
             kind=StepKind.DECODE, requests=reqs, rows=rows, prefix_lens=positions,
             extend_lens=np.ones(batch, dtype=np.int64), input_ids=input_ids, positions=positions,
-            out_cache_loc=slots,
+            out_cache_loc=slots, batch_version=self.running_version,
         )
 
     # ---- KV ownership -------------------------------------------------------------------
@@ -259,13 +272,30 @@ class Scheduler:
 
     def _retract(self, req: Request) -> None:
         """Give a running request's KV back (into the tree); it re-enters the queue first."""
-        self.running.remove(req)
+        self._remove_running(req)
         self._release_kv(req, cache=True)
         req.status = RequestStatus.WAITING
         req.num_retractions += 1
         self._step.retracted += 1
         self.waiting.appendleft(req)
         logger.debug("retracted %s (%d tokens)", req.request_id, req.seq_len)
+
+    def _cache_computed_prefix(self, req: Request) -> None:
+        """Insert a request's freshly prefilled tokens into the tree now, not at its end, so
+        requests arriving while it still runs share its prompt. The request then holds the tree's
+        slots for that prefix (locked), and frees any it computed twice."""
+        n = req.num_computed
+        tokens = req.all_ids()[:n]
+        slots = self.pool.row_slots(req.pool_row, n).copy()
+        existing = self.tree.insert(tokens, slots)
+        match = self.tree.match_prefix(tokens)
+        assert match.length == n, "a just-inserted sequence must match in full"
+        if existing > req.prefix_len:
+            self.pool.slots.free(slots[req.prefix_len : existing])
+            self.pool.write(np.full(existing, req.pool_row), np.arange(existing), match.slots[:existing])
+        self.tree.lock(match.node)
+        self.tree.unlock(req.last_node)
+        req.last_node, req.prefix_len = match.node, n
 
     def _release_kv(self, req: Request, cache: bool) -> None:
         if req.pool_row < 0:
@@ -287,20 +317,27 @@ class Scheduler:
     # ---- results ------------------------------------------------------------------------
 
     def process_results(self, plan: StepPlan, result: SampleResult, forward_s: float = 0.0) -> list[RequestOutput]:
-        outputs = []
+        """Apply a step's sampled tokens; return the outputs handed to callbacks (finals always)."""
+        outputs: list[RequestOutput] = []
+        token_ids = result.token_ids.tolist()
         for i, req in enumerate(plan.requests):
             req.num_computed += int(plan.extend_lens[i])
+            if plan.kind is StepKind.PREFILL and self.use_cache:
+                self._cache_computed_prefix(req)
             if plan.sample_mask is not None and not plan.sample_mask[i]:
                 continue  # a non-final chunk: nothing to sample yet
             if plan.kind is StepKind.PREFILL:
                 req.status = RequestStatus.DECODE
                 self.running.append(req)
-            reason = self.outputs.append_token(req, int(result.token_ids[i]), result, i)
+                self.running_version += 1
+            reason = self.outputs.append_token(req, token_ids[i], result, i)
             self.stats.generated_tokens += 1
             if reason is None:
-                outputs.append(self.outputs.emit(req, final=False, has_new_token=True))
+                out = self.outputs.emit(req, final=False, has_new_token=True)
+                if out is not None:
+                    outputs.append(out)
             else:
-                self.running.remove(req)
+                self._remove_running(req)
                 outputs.append(self._finish(req, reason, has_new_token=True))
         self._step.kind = plan.kind.value
         self._step.batch_size = plan.batch_size
@@ -318,6 +355,7 @@ class Scheduler:
         req.finish_reason = reason
         req.error = error
         out = self.outputs.emit(req, final=True, has_new_token=has_new_token)
+        assert out is not None, "a final output is always emitted"
         self.outputs.remove(req)
         del self.requests[req.request_id]
         return out
@@ -328,7 +366,7 @@ class Scheduler:
             if req.is_finished:
                 continue
             if req in self.running:
-                self.running.remove(req)
+                self._remove_running(req)
             if req is self.chunked:
                 self.chunked = None
             req.num_computed += int(plan.extend_lens[i])  # their slots were allocated for this step

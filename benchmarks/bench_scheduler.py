@@ -1,0 +1,103 @@
+"""Scheduler CPU time per decode step (everything but the forward) at 1/16/64/256 running
+requests, driven like the trace simulator (no model), and its ratio to the real SmolLM2 forward
+of a decode batch of the same size.
+
+    python benchmarks/bench_scheduler.py [--running 1,16,64,256] [--skip-real]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import print_table, write_json  # noqa: E402
+from radixgen import EngineConfig, SamplingParams  # noqa: E402
+from radixgen.engine.kv_pool import KVPool  # noqa: E402
+from radixgen.engine.request import Request  # noqa: E402
+from radixgen.engine.sampler import SampleResult, SamplingBatchCache  # noqa: E402
+from radixgen.engine.scheduler import Scheduler  # noqa: E402
+
+PROMPT_LEN = 128
+
+
+def scheduler_step_us(running: int, steps: int) -> float:
+    config = EngineConfig(max_running_requests=max(running, 1), kv_cache_tokens=running * (PROMPT_LEN + steps + 64) + 64,
+                          max_context_len=4096, max_prefill_tokens=running * PROMPT_LEN + 1)
+    pool = KVPool(num_slots=config.kv_cache_tokens or 0, num_layers=1, num_kv_heads=1, head_dim=1,
+                  dtype=torch.float16, device="cpu", max_rows=config.max_running_requests, max_context_len=4096)
+    sched = Scheduler(config, pool, None, eos_token_ids=())
+    params = SamplingParams(max_new_tokens=10**6 // 1000, temperature=0.7, top_p=0.9, ignore_eos=True)
+    for i in range(running):
+        sched.add_request(Request(f"r{i}", [5 + (i * 31 + j) % 40000 for j in range(PROMPT_LEN)], params, rng_seed=i))
+    plan = sched.schedule()
+    assert plan is not None and plan.batch_size == running
+    sched.process_results(plan, SampleResult(np.full(running, 7), None, None, None))
+    batches = SamplingBatchCache(49152, torch.device("cpu"))
+    total = 0.0
+    for _ in range(steps):
+        start = time.perf_counter()
+        plan = sched.schedule()
+        assert plan is not None and plan.batch_size == running
+        batches.get(plan)
+        sched.process_results(plan, SampleResult(np.full(running, 7), None, None, None))
+        total += time.perf_counter() - start
+    return total / steps * 1e6
+
+
+def real_forward_ms(running: int, steps: int, engine: Any) -> float:
+    """Median forward time of a decode step at this batch size on the real model."""
+    from radixgen.engine.batch import StepKind
+
+    sched = engine.scheduler
+    params = SamplingParams(max_new_tokens=steps + 4, temperature=0, ignore_eos=True)
+    for i in range(running):
+        sched.add_request(Request(f"f{running}-{i}", [5 + (i * 31 + j) % 40000 for j in range(PROMPT_LEN)], params, rng_seed=i))
+    times = []
+    while sched.has_work():
+        plan = sched.schedule()
+        if plan is None:
+            break
+        start = time.perf_counter()
+        logits = engine.runner.forward(plan)
+        elapsed = time.perf_counter() - start
+        if plan.kind is StepKind.DECODE and plan.batch_size == running:
+            times.append(elapsed)
+        ids = logits.argmax(-1).numpy()
+        sched.process_results(plan, SampleResult(ids, None, None, None))
+        if len(times) >= steps:
+            for rid in list(sched.requests):
+                sched.abort(rid)
+    return float(np.median(times) * 1e3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--running", default="1,16,64,256")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--skip-real", action="store_true")
+    args = parser.parse_args()
+    engine = None
+    if not args.skip_real:
+        from radixgen import Engine
+
+        engine = Engine(EngineConfig(max_running_requests=256, kv_cache_gb=3.0))
+        engine.shutdown()  # drive its scheduler and runner from this thread
+    rows = []
+    for running in map(int, args.running.split(",")):
+        sched_us = scheduler_step_us(running, args.steps)
+        fwd_ms = real_forward_ms(running, 8, engine) if engine is not None else None
+        rows.append({"running": running, "scheduler_us_per_step": sched_us, "forward_ms": fwd_ms,
+                     "scheduler_share_pct": sched_us / 10 / fwd_ms if fwd_ms else None})
+    print_table(rows, ["running", "scheduler_us_per_step", "forward_ms", "scheduler_share_pct"])
+    print(f"wrote {write_json('bench_scheduler', {'rows': rows, 'prompt_len': PROMPT_LEN})}")
+
+
+if __name__ == "__main__":
+    main()
