@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU torch by default (a local wheel here); an unpinned torch would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
-PROMPT ?= Write a haiku about caching.
+PORT ?= 30000
 
 .PHONY: serve test lint bench install clean
 
@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 serve: install
-	$(VENV)/bin/radixgen generate "$(PROMPT)"
+	$(VENV)/bin/radixgen serve --port $(PORT)
 
 test: install
 	$(PY) -m pytest -q

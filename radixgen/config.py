@@ -55,5 +55,8 @@ class EngineConfig:
 @dataclass(frozen=True)
 class ServerConfig(EngineConfig):
     host: str = "127.0.0.1"
+    """Loopback by default; binding elsewhere is an explicit choice."""
     port: int = 30000
     served_model_name: str = field(default="SmolLM2-135M-Instruct")
+    api_key: str | None = None
+    """When set, every endpoint but /health needs 'Authorization: Bearer <key>'."""

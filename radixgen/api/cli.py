@@ -13,7 +13,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from radixgen.config import EngineConfig
+from radixgen.config import EngineConfig, ServerConfig
 
 
 def _flag_type(annotation: Any) -> tuple[Any, Sequence[Any] | None]:
@@ -69,6 +69,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from radixgen.api.server import create_app
+    from radixgen.config import ServerConfig
+
+    config = config_from_args(args, ServerConfig)
+    assert isinstance(config, ServerConfig)
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from radixgen.engine.simulator import CostModel, load_trace, simulate, synthetic_trace
 
@@ -90,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sample-seed", type=int, default=None)
     add_config_flags(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible server (engine in its own process)")
+    add_config_flags(serve, ServerConfig)
+    serve.set_defaults(func=_cmd_serve)
 
     sim = sub.add_parser("simulate", help="run the scheduler on a request trace with modelled model time")
     sim.add_argument("trace", nargs="?", help="JSON-lines trace (see radixgen.engine.simulator.load_trace)")

@@ -78,8 +78,14 @@ class Engine:
     ``Engine(EngineConfig(...))`` or ``Engine(dtype="bfloat16")`` (keywords override fields).
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None, **overrides: Any) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None,
+        after_step: Callable[[], None] | None = None, **overrides: Any,
+    ) -> None:
+        """``after_step`` runs on the loop thread after every step (e.g. to ship a step's outputs
+        to another process in one message)."""
         self.config = replace(config or EngineConfig(), **overrides)
+        self._after_step = after_step
         self.runner, loaded = ModelRunner.from_config(self.config, loaded)
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
@@ -241,15 +247,15 @@ class Engine:
         return value
 
     def kv_accounting(self) -> dict[str, int]:
-        """Slots free / held by requests / pool size, read consistently on the engine thread."""
+        """Slots free / held by requests / held by the tree / pool size, read on the engine thread."""
+        return self.run_on_loop(self.kv_accounting_unlocked)
 
-        def read() -> dict[str, int]:
-            pool = self.scheduler.pool
-            return {"free": pool.available(), "held_by_requests": self.scheduler.held_by_requests(),
-                    "held_by_tree": self.scheduler.tree.cached_tokens(), "pool_size": pool.num_slots,
-                    "active_requests": len(self.scheduler.requests)}
-
-        return self.run_on_loop(read)
+    def kv_accounting_unlocked(self) -> dict[str, int]:
+        """The same, for callers already on the engine thread."""
+        pool = self.scheduler.pool
+        return {"free": pool.available(), "held_by_requests": self.scheduler.held_by_requests(),
+                "held_by_tree": self.scheduler.tree.cached_tokens(), "pool_size": pool.num_slots,
+                "active_requests": len(self.scheduler.requests)}
 
     # ---- internals ----------------------------------------------------------------------
 
@@ -308,12 +314,17 @@ class Engine:
             while not self._stopped.is_set():
                 self._drain_inbox(block=not self.scheduler.has_work())
                 self.step()
+                if self._after_step is not None:
+                    self._after_step()
         except BaseException as e:  # the loop itself broke: fail everything, refuse new work
             logger.exception("engine loop died")
             self._dead_reason = f"{type(e).__name__}: {e}"
         finally:
             for request_id in list(self.scheduler.requests):
                 self.scheduler.abort(request_id, FinishReason.ERROR, error=self._dead_reason or "engine shut down")
+            if self._after_step is not None:
+                self._after_step()
+            self.scheduler.stats.close()
 
     def step(self) -> None:
         """One scheduler step: plan, forward, sample, hand out results (loop thread only)."""

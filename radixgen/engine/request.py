@@ -116,6 +116,8 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None = None
     error: str | None = None
+    user_error: bool = False
+    """The error is the caller's (a bad parameter), not an internal fault."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

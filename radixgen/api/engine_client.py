@@ -1,0 +1,173 @@
+"""The HTTP process's handle on the engine process: submit, stream, abort, health.
+
+Outputs arrive one message per engine step and are routed to per-request asyncio queues. If
+the engine process dies, every waiting request gets ``EngineDeadError`` (HTTP 503) at once,
+and new requests are refused with the same error until it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from radixgen.config import EngineConfig
+from radixgen.engine.process import engine_process_main
+from radixgen.engine.request import RequestOutput, SamplingParams
+from radixgen.errors import EngineDeadError, OverloadedError
+
+logger = logging.getLogger(__name__)
+
+_DEAD = object()  # queue sentinel: the engine went away
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.info: dict[str, Any] = {}
+        self.dead_reason: str | None = "engine not started"
+        self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._stats_ids = itertools.count()
+        self._process: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ctx = zmq.asyncio.Context()
+        self._dir = tempfile.mkdtemp(prefix="radixgen-")
+        os.chmod(self._dir, 0o700)
+        self._requests_addr = f"ipc://{self._dir}/requests"
+        self._outputs_addr = f"ipc://{self._dir}/outputs"
+        self._to_engine = self._ctx.socket(zmq.PUSH)
+        self._to_engine.bind(self._requests_addr)
+        self._from_engine = self._ctx.socket(zmq.PULL)
+        self._from_engine.bind(self._outputs_addr)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    async def start(self, timeout: float = 600.0) -> None:
+        spawn = mp.get_context("spawn")
+        self._process = spawn.Process(
+            target=engine_process_main, args=(self.config, self._requests_addr, self._outputs_addr),
+            name="radixgen-engine", daemon=True,
+        )
+        self._process.start()
+        ready = asyncio.ensure_future(self._from_engine.recv_pyobj())
+        while not ready.done():
+            await asyncio.wait([ready], timeout=0.5)
+            if not ready.done() and not self._process.is_alive():
+                ready.cancel()
+                raise EngineDeadError(f"the engine process exited during start-up (code {self._process.exitcode})")
+            timeout -= 0.5
+            if timeout <= 0:
+                ready.cancel()
+                raise EngineDeadError("the engine process did not become ready in time")
+        kind, info = ready.result()
+        assert kind == "ready", f"unexpected first message {kind!r}"
+        self.info = info
+        self.dead_reason = None
+        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._watch_process())]
+
+    async def shutdown(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            await self._to_engine.send_pyobj(("shutdown", None))
+        if self._process is not None:
+            await asyncio.to_thread(self._process.join, 20)
+            if self._process.is_alive():
+                self._process.kill()
+        for task in self._tasks:
+            task.cancel()
+        self._to_engine.close(linger=0)
+        self._from_engine.close(linger=0)
+        self._ctx.term()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead_reason is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    # ---- requests -----------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, *, stream: bool = True
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs; closing the generator early aborts it in the engine."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine is not available: {self.dead_reason}")
+        if len(self._queues) >= self.config.max_queued_requests:
+            raise OverloadedError(
+                f"{len(self._queues)} requests in flight (max_queued_requests={self.config.max_queued_requests})"
+            )
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            await self._to_engine.send_pyobj(("add", (request_id, prompt_ids, params, stream)))
+            while not finished:
+                out = await queue.get()
+                if out is _DEAD:
+                    raise EngineDeadError(f"the engine stopped while serving this request: {self.dead_reason}")
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished and self.dead_reason is None:
+                with contextlib.suppress(zmq.ZMQError):
+                    await self._to_engine.send_pyobj(("abort", request_id))
+
+    async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine is not available: {self.dead_reason}")
+        key = next(self._stats_ids)
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._stats_waiters[key] = future
+        try:
+            await self._to_engine.send_pyobj(("stats", key))
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._stats_waiters.pop(key, None)
+
+    # ---- background tasks ---------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        while True:
+            kind, payload = await self._from_engine.recv_pyobj()
+            if kind == "outputs":
+                for out in payload:
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+            elif kind == "stats":
+                key, stats = payload
+                waiter = self._stats_waiters.get(key)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(stats)
+
+    async def _watch_process(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            if self._process is not None and not self._process.is_alive():
+                self.dead_reason = f"engine process exited (code {self._process.exitcode})"
+                logger.error("%s; failing %d in-flight requests", self.dead_reason, len(self._queues))
+                for queue in self._queues.values():
+                    queue.put_nowait(_DEAD)
+                for waiter in self._stats_waiters.values():
+                    if not waiter.done():
+                        waiter.set_exception(EngineDeadError(self.dead_reason))
+                return

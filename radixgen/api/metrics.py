@@ -1,0 +1,60 @@
+"""Prometheus metrics of one server (own registry: no module-level state)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("radixgen_requests", "Finished HTTP requests", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("radixgen_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("radixgen_generation_tokens", "Generated tokens", registry=r)
+        self.cached_tokens = Counter("radixgen_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.ttft = Histogram("radixgen_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("radixgen_inter_token_latency_seconds", "Time between streamed tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("radixgen_request_latency_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("radixgen_requests_in_flight", "Requests being served", registry=r)
+        self._engine: dict[str, Gauge] = {
+            name: Gauge(f"radixgen_{name}", doc, registry=r)
+            for name, doc in {
+                "queue_depth": "Requests waiting in the engine",
+                "running_requests": "Requests decoding in the engine",
+                "kv_usage_ratio": "Share of KV slots in use (requests and cache)",
+                "kv_free_slots": "Free KV slots",
+                "kv_request_slots": "KV slots held by running requests",
+                "kv_cached_slots": "KV slots held by the prefix cache",
+                "cache_hit_rate": "Share of prompt tokens served from the prefix cache",
+                "avg_batch_size": "Average requests per engine step",
+                "avg_decode_batch_size": "Average requests per decode step",
+                "scheduler_seconds_per_step": "Scheduler CPU time per step",
+                "forward_seconds_per_step": "Model time per step",
+                "engine_steps": "Engine steps so far",
+                "retractions": "Requests retracted under KV pressure so far",
+            }.items()
+        }
+
+    def render(self, engine_stats: dict[str, Any] | None) -> bytes:
+        if engine_stats:
+            s = engine_stats
+            steps = max(s.get("num_steps", 0), 1)
+            values = {
+                "queue_depth": s.get("queue_depth", 0), "running_requests": s.get("running", 0),
+                "kv_usage_ratio": 1 - s["free"] / s["pool_size"] if s.get("pool_size") else 0,
+                "kv_free_slots": s.get("free", 0), "kv_request_slots": s.get("held_by_requests", 0),
+                "kv_cached_slots": s.get("held_by_tree", 0), "cache_hit_rate": s.get("cache_hit_rate", 0),
+                "avg_batch_size": s.get("avg_batch_size", 0), "avg_decode_batch_size": s.get("avg_decode_batch_size", 0),
+                "scheduler_seconds_per_step": s.get("schedule_time_s", 0) / steps,
+                "forward_seconds_per_step": s.get("forward_time_s", 0) / steps,
+                "engine_steps": s.get("num_steps", 0), "retractions": s.get("num_retractions", 0),
+            }
+            for name, value in values.items():
+                self._engine[name].set(value)
+        return generate_latest(self.registry)

@@ -1,0 +1,134 @@
+"""FastAPI app: OpenAI-compatible routes over an engine in its own process.
+
+``create_app(config)`` builds everything the app needs in its lifespan (engine client,
+tokenizer, metrics) and keeps it on ``app.state``; there is no module-level mutable state.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from radixgen.api.engine_client import EngineClient
+from radixgen.api.metrics import ServerMetrics
+from radixgen.api.protocol import ErrorBody, ErrorResponse, ModelCard, ModelList
+from radixgen.api.routes_openai import router as openai_router
+from radixgen.config import ServerConfig
+from radixgen.errors import EngineDeadError, OverloadedError, RadixgenError
+
+logger = logging.getLogger(__name__)
+
+
+def error_response(status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorBody(message=message, type=kind, param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def status_of(exc: Exception) -> int:
+    if isinstance(exc, OverloadedError):
+        return 429
+    if isinstance(exc, EngineDeadError):
+        return 503
+    return 400
+
+
+def create_app(config: ServerConfig, *, client: EngineClient | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from transformers import AutoTokenizer
+
+        engine = client or EngineClient(config)
+        await engine.start()
+        app.state.client = engine
+        app.state.tokenizer = AutoTokenizer.from_pretrained(engine.info["model_path"])
+        app.state.config = config
+        app.state.metrics = ServerMetrics()
+        logger.info("serving %s on http://%s:%d", config.served_model_name, config.host, config.port)
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = FastAPI(title="radixgen", version="0.1.0", lifespan=lifespan)
+    app.include_router(openai_router)
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if config.api_key and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            expected = f"Bearer {config.api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                      kind="authentication_error")
+        return await call_next(request)
+
+    @app.exception_handler(RadixgenError)
+    async def on_radixgen_error(request: Request, exc: RadixgenError) -> JSONResponse:
+        status = status_of(exc)
+        headers = {"Retry-After": "1"} if status == 429 else None
+        kind = {429: "rate_limit_error", 503: "service_unavailable"}.get(status, "invalid_request_error")
+        return error_response(status, str(exc), kind=kind, headers=headers)
+
+    @app.exception_handler(ValueError)
+    async def on_value_error(request: Request, exc: ValueError) -> JSONResponse:
+        return error_response(400, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"the request body is not valid JSON: {first.get('msg', '')}")
+        return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid value')}", param=where or None)
+
+    @app.exception_handler(Exception)
+    async def on_internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error on %s", request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), kind=kind)
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        engine: EngineClient = request.app.state.client
+        if not engine.is_healthy:
+            return error_response(503, f"engine unavailable: {engine.dead_reason}", kind="service_unavailable")
+        return JSONResponse({"status": "ok", "in_flight": engine.num_in_flight})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> ModelList:
+        engine: EngineClient = request.app.state.client
+        return ModelList(data=[ModelCard(id=config.served_model_name, max_model_len=engine.info.get("max_context_len"))])
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        engine: EngineClient = request.app.state.client
+        stats: dict[str, Any] | None = None
+        if engine.is_healthy:
+            try:
+                stats = await engine.stats()
+            except (EngineDeadError, TimeoutError):
+                stats = None
+        body = request.app.state.metrics.render(stats)
+        return Response(body, media_type="text/plain; version=0.0.4")
+
+    @app.get("/internal/stats")
+    async def internal_stats(request: Request) -> JSONResponse:
+        """KV accounting and scheduler counters (for tests and debugging)."""
+        client: EngineClient = request.app.state.client
+        return JSONResponse({**await client.stats(), "engine_pid": client.engine_pid})
+
+    return app

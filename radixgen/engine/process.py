@@ -1,0 +1,76 @@
+"""The engine in its own process, for the server: requests in and outputs out over ZeroMQ.
+
+ZeroMQ rather than multiprocessing pipes: its sockets queue messages without a reader thread
+on the HTTP side (zmq.asyncio plugs into the event loop), and one message per step carries the
+outputs of the whole batch. Messages are pickled Python objects between our own two processes,
+over ipc sockets in a private temporary folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from radixgen.config import EngineConfig
+from radixgen.engine.request import FinishReason, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: str) -> None:
+    """Entry point of the engine process (spawned by the server's EngineClient)."""
+    import zmq
+
+    from radixgen.engine.engine import Engine
+
+    logging.basicConfig(level=getattr(logging, config.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s engine %(name)s: %(message)s")
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(requests_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(outputs_addr)
+    send_lock = threading.Lock()
+    pending: list[RequestOutput] = []
+
+    def send(message: Any) -> None:
+        with send_lock:
+            outbox.send_pyobj(message)
+
+    def collect(out: RequestOutput) -> None:  # engine thread
+        pending.append(out)
+
+    def flush() -> None:  # engine thread, after each step: one message for the whole batch
+        if pending:
+            batch = pending[:]
+            pending.clear()
+            send(("outputs", batch))
+
+    engine = Engine(config, after_step=flush)
+    info = {
+        "max_context_len": engine.runner.pool.max_context_len, "kv_slots": engine.runner.pool.num_slots,
+        "vocab_size": engine.model_config.vocab_size, "model_path": str(engine.model_path),
+    }
+    send(("ready", info))
+    try:
+        while True:
+            kind, payload = inbox.recv_pyobj()
+            if kind == "add":
+                request_id, prompt_ids, params, stream = payload
+                try:
+                    engine.add_request(prompt_ids, params, request_id=request_id, on_output=collect, stream=stream)
+                except ValueError as e:  # a user error the front door did not catch
+                    send(("outputs", [RequestOutput(request_id, [], "", True, FinishReason.ERROR, error=str(e), user_error=True)]))
+            elif kind == "abort":
+                engine.abort(payload)
+            elif kind == "stats":
+                stats = engine.run_on_loop(lambda: {**engine.kv_accounting_unlocked(), **engine.scheduler.stats.snapshot()})
+                send(("stats", (payload, stats)))
+            elif kind == "shutdown":
+                break
+    finally:
+        engine.shutdown()
+        inbox.close(linger=0)
+        outbox.close(linger=100)
+        ctx.term()

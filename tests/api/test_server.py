@@ -1,0 +1,189 @@
+"""The OpenAI-compatible server, through the official client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import httpx
+import openai
+import pytest
+
+from tests.api.conftest import LiveServer
+
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Count to five."}]
+
+
+def client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key or "unused", max_retries=0)
+
+
+def test_models_and_health(server: LiveServer) -> None:
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_chat_completion_shape_and_usage(server: LiveServer) -> None:
+    resp = client(server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+    choice = resp.choices[0]
+    assert choice.finish_reason == "length" and choice.message.role == "assistant" and choice.message.content
+    assert resp.usage.completion_tokens == 12
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 12
+
+
+def test_stream_matches_non_stream_and_reports_usage(server: LiveServer) -> None:
+    kwargs = dict(model="tiny", messages=CHAT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    whole = client(server).chat.completions.create(**kwargs).choices[0].message.content
+
+    async def stream() -> tuple[str, list[str | None], object]:
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        parts, reasons, usage = [], [], None
+        async for chunk in await aclient.chat.completions.create(**kwargs, stream=True,
+                                                                 stream_options={"include_usage": True}):
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for c in chunk.choices:
+                parts.append(c.delta.content or "")
+                reasons.append(c.finish_reason)
+        return "".join(parts), reasons, usage
+
+    text, reasons, usage = asyncio.run(stream())
+    assert text == whole
+    assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
+    assert usage is not None and usage.completion_tokens == 16  # type: ignore[attr-defined]
+
+
+def test_completions_list_prompt_and_stream(server: LiveServer) -> None:
+    c = client(server)
+    resp = c.completions.create(model="tiny", prompt=["Once upon", "The sky is"], max_tokens=8, temperature=0,
+                                extra_body={"ignore_eos": True})
+    assert [ch.index for ch in resp.choices] == [0, 1]
+    assert all(ch.finish_reason == "length" for ch in resp.choices)
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="tiny", prompt="Once upon", max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        if ch.choices)
+    assert streamed == resp.choices[0].text
+
+
+def test_n_seed_and_stop(server: LiveServer) -> None:
+    c = client(server)
+    kw = dict(model="tiny", messages=CHAT, max_tokens=10, temperature=1.0, seed=123, extra_body={"ignore_eos": True})
+    a = c.chat.completions.create(n=3, **kw)
+    b = c.chat.completions.create(n=3, **kw)
+    texts = [ch.message.content for ch in a.choices]
+    assert texts == [ch.message.content for ch in b.choices], "same seed, same outputs"
+    assert len(set(texts)) > 1, "the n choices are sampled independently"
+    full = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].message.content
+    stop = full[10:13]
+    cut = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=30, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == full[: full.find(stop)]
+
+
+def test_cached_tokens_on_repeated_prefix(server: LiveServer) -> None:
+    c = client(server)
+    system = {"role": "system", "content": "Rules: be brief, be kind, cite sources. " * 10}
+    c.chat.completions.create(model="tiny", messages=[system, {"role": "user", "content": "hi"}], max_tokens=2)
+    again = c.chat.completions.create(model="tiny", messages=[system, {"role": "user", "content": "hello"}], max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens > 50
+
+
+def test_logprobs(server: LiveServer) -> None:
+    resp = client(server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                                  top_logprobs=2, extra_body={"ignore_eos": True})
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 4
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+    assert all(abs(t.logprob - t.top_logprobs[0].logprob) < 1e-5 for t in content), "greedy picks the top token"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ("{not json", 400, "not valid JSON"),
+        (json.dumps({"model": "nope", "messages": CHAT}), 404, "does not exist"),
+        (json.dumps({"messages": CHAT, "temperature": -3}), 400, "temperature"),
+        (json.dumps({"messages": CHAT, "top_p": 7}), 400, "top_p"),
+        (json.dumps({"messages": []}), 400, "messages"),
+        (json.dumps({"messages": CHAT, "max_tokens": 5000}), 400, "max_tokens"),
+        (json.dumps({"messages": [{"role": "user", "content": "word " * 1200}]}), 400, "context"),
+        (json.dumps({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {}}}), 400, "response_format"),
+        (json.dumps({"messages": CHAT, "n": 0}), 400, "n"),
+    ],
+)
+def test_errors_are_openai_shaped(server: LiveServer, body: str, status: int, needle: str) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"] and err["code"] == status
+
+
+def test_unknown_route_is_openai_shaped(server: LiveServer) -> None:
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_disconnect_mid_stream_frees_kv(server: LiveServer) -> None:
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 900, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data:") for line in got)
+        assert server.stats()["active_requests"] == 1
+    stats = server.wait_idle()
+    assert stats["active_requests"] == 0 and stats["held_by_requests"] == 0
+
+
+def test_metrics_exposes_engine_and_request_counters(server: LiveServer) -> None:
+    client(server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=3)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("radixgen_requests_total", "radixgen_time_to_first_token_seconds", "radixgen_cache_hit_rate",
+                 "radixgen_kv_usage_ratio", "radixgen_scheduler_seconds_per_step", "radixgen_avg_batch_size"):
+        assert name in text, name
+
+
+def test_api_key_and_queue_limit(start_server: Callable[..., LiveServer]) -> None:
+    srv = start_server("--max-queued-requests", "2", api_key="s3cret")
+    assert httpx.get(srv.url + "/v1/models").status_code == 401
+    assert httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(srv.url + "/health").status_code == 200, "/health needs no key"
+    assert httpx.get(srv.url + "/v1/models", headers=srv.headers).status_code == 200
+
+    async def flood() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60, headers=srv.headers) as http:
+            body = {"prompt": "go", "max_tokens": 200, "ignore_eos": True}
+            return await asyncio.gather(*(http.post(srv.url + "/v1/completions", json=body) for _ in range(6)))
+
+    codes = [r.status_code for r in asyncio.run(flood())]
+    assert codes.count(429) >= 1 and codes.count(200) >= 2, codes
+    limited = next(r for r in asyncio.run(flood()) if r.status_code == 429)
+    assert limited.headers.get("retry-after") and limited.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_engine_death_gives_503_not_a_hang(start_server: Callable[..., LiveServer]) -> None:
+    srv = start_server()
+    pid = srv.stats()["engine_pid"]
+
+    async def in_flight() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await http.post(srv.url + "/v1/completions", json={"prompt": "go", "max_tokens": 900, "ignore_eos": True})
+
+    async def scenario() -> httpx.Response:
+        task = asyncio.create_task(in_flight())
+        await asyncio.sleep(1.0)
+        os.kill(pid, signal.SIGKILL)
+        return await task
+
+    start = time.monotonic()
+    resp = asyncio.run(scenario())
+    assert resp.status_code == 503 and "engine" in resp.json()["error"]["message"]
+    assert time.monotonic() - start < 30
+    assert httpx.get(srv.url + "/health").status_code == 503
+    assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}).status_code == 503
