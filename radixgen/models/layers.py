@@ -88,7 +88,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to ``max_positions``, looked up per token."""
+    """Rotary position embedding in the half-split layout of HF Llama checkpoints.
+
+    ``rotate_half`` is a fixed signed permutation, applied as one small matmul by ``rotation``
+    (exact: one +-1 term per output), so rotating q and k together costs three ops instead of
+    slicing and concatenating per tensor; the arithmetic order matches transformers'.
+    """
 
     def __init__(
         self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling,
@@ -97,20 +102,23 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        # [max_positions, head_dim/2]; computed in float32 then cast like transformers does.
-        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        # computed in float32 then cast, as transformers does
+        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        half = head_dim // 2
+        rotation = torch.zeros(head_dim, head_dim, dtype=dtype)
+        rotation[torch.arange(half) + half, torch.arange(half)] = -1.0  # out[:half] = -x[half:]
+        rotation[torch.arange(half), torch.arange(half) + half] = 1.0  # out[half:] = x[:half]
+        self.register_buffer("rotation", rotation, persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # [T] -> two [T, 1, head_dim/2] tables that broadcast over heads
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] -> two [T, 1, head_dim] tables that broadcast over heads (once per step)."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [T, heads, head_dim] in the half-split layout of HF Llama checkpoints."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] -> x * cos + rotate_half(x) * sin."""
+        return torch.addcmul(x * cos, x @ self.rotation, sin)
 
 
 class SwiGLU(nn.Module):

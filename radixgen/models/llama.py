@@ -12,15 +12,16 @@ from torch import nn
 
 from radixgen.models.attention import AttentionPlan, paged_attention
 from radixgen.models.config import ModelConfig
-from radixgen.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
+from radixgen.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qk_size = q_size + kv_size
+        self.rope = [rope]  # shared with the model; a list keeps it out of this module's children
         self.qkv = Linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.attention_bias, dtype)
         self.o = Linear(q_size, cfg.hidden_size, False, dtype)
 
@@ -29,19 +30,19 @@ class Attention(nn.Module):
         k_cache: torch.Tensor, v_cache: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv(x)  # [T, (heads + 2 kv_heads) * head_dim]
+        qk = qkv[:, : self.qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = self.rope[0].rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, k_cache, v_cache, plan)  # [T, heads*head_dim]
         return self.o(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attn = Attention(cfg, dtype)
+        self.attn = Attention(cfg, dtype, rope)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
 
@@ -59,7 +60,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, self.rope) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # A separate copy even when tied, so the head can live in oneDNN's packed layout.
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
@@ -76,7 +77,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Return float32 logits [N, vocab] for the selected positions."""
         x = self.embed[input_ids]  # [T, hidden]
-        cos, sin = self.rope(positions)
+        cos, sin = self.rope.tables(positions)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
             x = layer(x, cos, sin, plan, k_cache, v_cache)
         x = self.norm(x[logits_index])  # the norm is per row, so selecting first is exact
