@@ -42,6 +42,9 @@ class EngineConfig:
     schedule_policy: SchedulePolicy = "lpm"
     """lpm: longest cached prefix first (fcfs when the queue is long); fcfs: arrival order."""
     disable_radix_cache: bool = False
+    grammar_backend: str = "auto"
+    """Constraint compiler: auto (fastest installed with full coverage) or xgrammar."""
+    grammar_compile_timeout_s: float = 30.0
     event_log: str | None = None
     """Path of a JSON-lines log with one record per scheduler step (off when None)."""
 

@@ -19,8 +19,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from radixgen.config import EngineConfig
-from radixgen.engine.batch import StepKind
+from radixgen.constraints import Grammar, GrammarService, allocate_bitmask, make_backend
+from radixgen.constraints.mask import ALL_ALLOWED
+from radixgen.engine.batch import StepKind, StepPlan
 from radixgen.engine.model_runner import ModelRunner
 from radixgen.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from radixgen.engine.sampler import Sampler, SamplingBatchCache
@@ -100,6 +104,10 @@ class Engine:
         self._dead_reason: str | None = None
         self._active_ids: set[str] = set()
         self._sampling_batches = SamplingBatchCache(self.model_config.vocab_size, self.runner.device)
+        self._grammars: GrammarService | None = None
+        self._grammar_lock = threading.Lock()
+        self._bitmask = allocate_bitmask(self.config.max_running_requests, self.model_config.vocab_size)
+        self._aborted_while_compiling: set[str] = set()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="radixgen-engine", daemon=True)
         self._thread.start()
@@ -146,8 +154,22 @@ class Engine:
             request_id=request_id, prompt_ids=prompt_ids, params=params, rng_seed=seed,
             on_output=self._wrap_callback(on_output), stream=stream,
         )
-        self._inbox.put(("add", req))
+        if params.constraint is None:
+            self._inbox.put(("add", req))
+        else:  # compile off the loop; the request joins when its grammar is ready
+            self.grammars().compile_async(
+                params.constraint, lambda grammar, error: self._inbox.put(("add_compiled", (req, grammar, error)))
+            )
         return req
+
+    def grammars(self) -> GrammarService:
+        """The constraint compiler, created on first use (building the tokenizer index costs ~1 s)."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                backend = make_backend(self.config.grammar_backend, self.tokenizer, self.model_config.vocab_size,
+                                       list(self.model_config.eos_token_ids))
+                self._grammars = GrammarService(backend, timeout_s=self.config.grammar_compile_timeout_s)
+            return self._grammars
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -218,6 +240,8 @@ class Engine:
                 self.abort(req.request_id)
 
     def shutdown(self) -> None:
+        if self._grammars is not None:
+            self._grammars.shutdown()
         self._stopped.set()
         self._inbox.put(("wake", None))
         self._thread.join(timeout=30)
@@ -300,14 +324,40 @@ class Engine:
             kind, payload = item
             if kind == "add":
                 self.scheduler.add_request(payload)
+            elif kind == "add_compiled":
+                self._add_compiled(*payload)
             elif kind == "abort":
-                self.scheduler.abort(payload)
+                if not self.scheduler.abort(payload):
+                    self._aborted_while_compiling.add(payload)
             elif kind == "call":
                 payload()
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _add_compiled(self, req: Request, grammar: Grammar | None, error: Exception | None) -> None:
+        self.scheduler.add_request(req)
+        if req.request_id in self._aborted_while_compiling:
+            self._aborted_while_compiling.discard(req.request_id)
+            self.scheduler.abort(req.request_id)
+        elif error is not None or grammar is None:
+            req.user_error = isinstance(error, ValueError)
+            self.scheduler.abort(req.request_id, FinishReason.ERROR, error=str(error))
+        else:
+            req.matcher = grammar.matcher()
+
+    def _constraint_bitmask(self, plan: StepPlan) -> torch.Tensor | None:
+        """Allowed-token bitmask rows for this step's constrained requests (None if there are none)."""
+        rows = [i for i, r in enumerate(plan.requests)
+                if r.matcher is not None and (plan.sample_mask is None or plan.sample_mask[i])]
+        if not rows:
+            return None
+        mask = self._bitmask[: plan.batch_size]
+        mask.fill(ALL_ALLOWED)
+        for i in rows:
+            plan.requests[i].matcher.fill_bitmask(mask, i)  # type: ignore[union-attr]
+        return torch.from_numpy(mask).to(self.runner.device)
 
     def _loop(self) -> None:
         try:
@@ -338,8 +388,9 @@ class Engine:
                     # first chunk since admission: (re)build the penalty counts of its row
                     if req.params.has_penalties and plan.prefix_lens[i] == req.prefix_len:
                         self.sampler.penalties.reset_row(req.pool_row, req.prompt_ids, req.output_ids)
-            logits = self.runner.forward(plan)
-            result = self.sampler(logits, self._sampling_batches.get(plan))
+            with torch.inference_mode():  # logits are inference tensors; sampling edits them in place
+                logits = self.runner.forward(plan)
+                result = self.sampler(logits, self._sampling_batches.get(plan), self._constraint_bitmask(plan))
         except Exception as e:  # an internal fault fails this step's requests, not the engine
             logger.exception("step failed")
             self.scheduler.fail_step(plan, f"internal error: {type(e).__name__}: {e}")

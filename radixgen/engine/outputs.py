@@ -39,6 +39,13 @@ class OutputProcessor:
             req.output_top_logprobs.append(
                 list(zip(result.top_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist(), strict=True))
             )
+        matcher = req.matcher
+        if matcher is not None:
+            if not matcher.accept(token):
+                req.error = f"internal error: the constraint rejected token {token} that its mask allowed"
+                return FinishReason.ERROR
+            if matcher.is_terminated():
+                return FinishReason.STOP  # the automaton accepted its stop token: output complete
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return FinishReason.STOP  # the stop token's text is not part of the output
         detok = self.detokenizers[req.request_id]
@@ -62,6 +69,7 @@ class OutputProcessor:
             finished=final,
             finish_reason=req.finish_reason,
             error=req.error,
+            user_error=req.user_error,
             prompt_tokens=req.prompt_len,
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,

@@ -7,7 +7,16 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+from radixgen.constraints.backend import Matcher
+from radixgen.constraints.spec import (
+    JSON_OBJECT,
+    ConstraintSpec,
+    choices_spec,
+    regex_spec,
+    schema_spec,
+)
 from radixgen.errors import InvalidParamsError
 
 MAX_TOP_LOGPROBS = 20
@@ -57,6 +66,14 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    regex: str | None = None
+    json_schema: Any = None
+    """A JSON schema as a dict or JSON string, or a pydantic model class."""
+    choices: tuple[str, ...] | None = None
+    json_object: bool = False
+    """Any JSON object (OpenAI's response_format json_object)."""
+    constraint: ConstraintSpec | None = field(default=None, init=False, compare=False, repr=False)
+    """Derived from the fields above and validated at construction."""
 
     def __post_init__(self) -> None:
         # Accept a single string / lists for convenience; store tuples (frozen, hashable).
@@ -68,6 +85,20 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         self.validate()
+        object.__setattr__(self, "constraint", self._constraint_spec())
+
+    def _constraint_spec(self) -> ConstraintSpec | None:
+        given = [name for name in ("regex", "json_schema", "choices") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) > 1:
+            raise InvalidParamsError(f"give at most one constraint per request; got {', '.join(given)}")
+        if self.regex is not None:
+            return regex_spec(self.regex)
+        if self.json_schema is not None:
+            return schema_spec(self.json_schema)
+        if self.choices is not None:
+            return choices_spec(list(self.choices))
+        return JSON_OBJECT if self.json_object else None
 
     def validate(self) -> None:
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
@@ -153,6 +184,7 @@ class Request:
     """Prompt tokens served from the prefix cache at first admission."""
     finish_reason: FinishReason | None = None
     error: str | None = None
+    user_error: bool = False
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     stop_trim_chars: int = 0
@@ -161,6 +193,8 @@ class Request:
     first_token_time: float | None = None
     num_retractions: int = 0
     admitted: bool = False
+    matcher: Matcher | None = None
+    """The constraint automaton's state for this request (None when unconstrained)."""
 
     @property
     def prompt_len(self) -> int:

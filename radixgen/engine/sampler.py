@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixgen.constraints.mask import apply_bitmask
 from radixgen.engine.batch import StepPlan
 from radixgen.engine.request import Request
 
@@ -175,9 +176,12 @@ class Sampler:
         self.vocab_size = vocab_size
         self.penalties = PenaltyState(num_rows, vocab_size, device)
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
-        """Choose one token per row of float32 ``logits`` [B, vocab] (modified in place)."""
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, bitmask: torch.Tensor | None = None) -> SampleResult:
+        """Choose one token per row of float32 ``logits`` [B, vocab] (modified in place), only
+        among the tokens ``bitmask`` [B, vocab/32] allows when given."""
         self.penalties.apply(logits, batch)
+        if bitmask is not None:
+            apply_bitmask(logits, bitmask)
         token_ids = logits.argmax(dim=-1)
         sampled = np.flatnonzero(~batch.is_greedy)
         if len(sampled):

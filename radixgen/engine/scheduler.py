@@ -353,7 +353,7 @@ class Scheduler:
         self._release_kv(req, cache=reason is not FinishReason.ERROR)
         req.status = RequestStatus.ABORTED if reason in (FinishReason.ABORT, FinishReason.ERROR) else RequestStatus.FINISHED
         req.finish_reason = reason
-        req.error = error
+        req.error = error or req.error
         out = self.outputs.emit(req, final=True, has_new_token=has_new_token)
         assert out is not None, "a final output is always emitted"
         self.outputs.remove(req)

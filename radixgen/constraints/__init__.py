@@ -1,0 +1,47 @@
+"""Constrained decoding: specs (regex, JSON schema, choices, JSON object) compiled by a backend
+into immutable grammars, per-request matchers, and the batch bitmask applied to logits."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from radixgen.constraints.backend import Grammar, GrammarBackend, Matcher
+from radixgen.constraints.compile import GrammarService
+from radixgen.constraints.mask import allocate_bitmask, apply_bitmask
+from radixgen.constraints.spec import (
+    JSON_OBJECT,
+    ConstraintSpec,
+    choices_spec,
+    regex_spec,
+    schema_spec,
+)
+
+# name -> "module:class"; heavy backends are imported only when chosen.
+BACKENDS = {
+    "xgrammar": "radixgen.constraints.xgrammar_backend:XGrammarBackend",
+}
+# "auto" takes the first installed one: ordered by measured compile time and schema coverage.
+_AUTO_ORDER = ["xgrammar"]
+
+
+def make_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> GrammarBackend:
+    if name == "auto":
+        errors = []
+        for candidate in _AUTO_ORDER:
+            try:
+                return make_backend(candidate, tokenizer, vocab_size, stop_token_ids)
+            except ImportError as e:
+                errors.append(str(e))
+        raise ImportError("no grammar backend is installed: " + "; ".join(errors))
+    if name not in BACKENDS:
+        raise ValueError(f"grammar_backend must be one of {['auto', *BACKENDS]}, got {name!r}")
+    module, cls = BACKENDS[name].split(":")
+    backend_cls = getattr(importlib.import_module(module), cls)
+    return backend_cls(tokenizer, vocab_size, stop_token_ids)  # type: ignore[no-any-return]
+
+
+__all__ = [
+    "BACKENDS", "JSON_OBJECT", "ConstraintSpec", "Grammar", "GrammarBackend", "GrammarService", "Matcher",
+    "allocate_bitmask", "apply_bitmask", "choices_spec", "make_backend", "regex_spec", "schema_spec",
+]

@@ -1,0 +1,64 @@
+"""The small interface every grammar backend implements.
+
+Three objects, as in xgrammar and outlines-core: a backend compiles a spec into an immutable
+``Grammar`` shared by all requests with that spec; each request gets its own ``Matcher``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from radixgen.constraints.spec import ConstraintSpec
+
+
+class Grammar(ABC):
+    """A compiled, immutable constraint. Thread-safe to share."""
+
+    @abstractmethod
+    def matcher(self) -> Matcher:
+        """A fresh per-request matcher at the start state."""
+
+
+class Matcher(ABC):
+    """Per-request automaton state.
+
+    ``fill_bitmask(bitmask, row)`` writes the allowed next tokens of the current state into
+    ``bitmask[row]`` (int32 words; bit i of word j allows token 32*j + i). ``accept(token)``
+    advances and returns False if the token was not allowed (the state is unchanged then).
+    ``rollback(n)`` undoes the last n accepted tokens. ``is_terminated()`` is True once the
+    output is complete (the stop token was accepted). ``forced_string()`` is the text every
+    continuation must start with (empty when the next character is not forced).
+    """
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None: ...
+
+    @abstractmethod
+    def accept(self, token_id: int) -> bool: ...
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None: ...
+
+    @abstractmethod
+    def is_terminated(self) -> bool: ...
+
+    @abstractmethod
+    def forced_string(self) -> str: ...
+
+
+class GrammarBackend(ABC):
+    """Compiles specs for one tokenizer and vocabulary size."""
+
+    name: str
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+
+    @abstractmethod
+    def compile(self, spec: ConstraintSpec) -> Grammar:
+        """Compile or raise ``InvalidConstraintError`` naming what is unsupported."""

@@ -1,0 +1,119 @@
+"""What a request asks its output to match, normalised into a hashable cache key."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from radixgen.errors import InvalidConstraintError
+
+ConstraintKind = Literal["regex", "json_schema", "choices", "json_object"]
+
+MAX_SCHEMA_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    kind: ConstraintKind
+    value: str
+    """The regex, the schema as canonical JSON, the choices as a JSON list, or '' for json_object."""
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.kind, self.value)
+
+    def schema(self) -> dict[str, Any]:
+        assert self.kind == "json_schema"
+        return json.loads(self.value)  # type: ignore[no-any-return]
+
+    def choices(self) -> list[str]:
+        assert self.kind == "choices"
+        return json.loads(self.value)  # type: ignore[no-any-return]
+
+
+def regex_spec(pattern: str) -> ConstraintSpec:
+    """Check a regex with interegular (syntax, non-empty language) before any backend sees it."""
+    import interegular
+
+    if not isinstance(pattern, str) or not pattern:
+        raise InvalidConstraintError("regex must be a non-empty string")
+    try:
+        re.compile(pattern)
+        fsm = interegular.parse_pattern(pattern).to_fsm()
+    except (re.error, interegular.patterns.InvalidSyntax) as e:
+        raise InvalidConstraintError(f"regex {pattern!r} is not valid: {e or 'syntax error'}") from None
+    except interegular.patterns.Unsupported as e:
+        raise InvalidConstraintError(f"regex {pattern!r} uses an unsupported feature: {e}") from None
+    if fsm.empty():
+        raise InvalidConstraintError(f"regex {pattern!r} matches no string at all; nothing could be generated")
+    return ConstraintSpec("regex", pattern)
+
+
+def schema_spec(schema: Any) -> ConstraintSpec:
+    """A JSON schema given as a dict, a JSON string, or a pydantic model class."""
+    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
+        schema = schema.model_json_schema()
+    if isinstance(schema, str):
+        if len(schema) > MAX_SCHEMA_BYTES:
+            raise InvalidConstraintError(f"json_schema is {len(schema)} bytes; the limit is {MAX_SCHEMA_BYTES}")
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise InvalidConstraintError(f"json_schema is not valid JSON: {e}") from None
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise InvalidConstraintError(f"json_schema must be an object (dict), got {type(schema).__name__}")
+    # key order is kept: property order is the order the fields are generated in
+    text = json.dumps(schema, separators=(",", ":"))
+    if len(text) > MAX_SCHEMA_BYTES:
+        raise InvalidConstraintError(f"json_schema is {len(text)} bytes; the limit is {MAX_SCHEMA_BYTES}")
+    _check_schema_types(schema, "$")
+    return ConstraintSpec("json_schema", text)
+
+
+def choices_spec(choices: Any) -> ConstraintSpec:
+    if not isinstance(choices, (list, tuple)) or not choices:
+        raise InvalidConstraintError("choices must be a non-empty list of strings")
+    if not all(isinstance(c, str) and c for c in choices):
+        raise InvalidConstraintError("choices must all be non-empty strings")
+    return ConstraintSpec("choices", json.dumps(list(choices)))
+
+
+JSON_OBJECT = ConstraintSpec("json_object", "")
+
+_JSON_TYPES = {"string", "number", "integer", "boolean", "object", "array", "null"}
+
+
+def _check_schema_types(schema: Any, path: str) -> None:
+    """Catch the common mistakes early with a path: unknown 'type' names, non-object subschemas."""
+    stack = [(schema, path)]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, bool):
+            continue
+        if not isinstance(node, dict):
+            raise InvalidConstraintError(f"schema at {where} must be an object or a boolean, got {type(node).__name__}")
+        kind = node.get("type")
+        kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
+        for k in kinds:
+            if k not in _JSON_TYPES:
+                raise InvalidConstraintError(f"schema at {where}: 'type' {k!r} is not a JSON type; use one of {sorted(_JSON_TYPES)}")
+        for key in ("properties", "$defs", "definitions", "patternProperties"):
+            sub = node.get(key)
+            if sub is not None:
+                if not isinstance(sub, dict):
+                    raise InvalidConstraintError(f"schema at {where}.{key} must be an object")
+                stack.extend((v, f"{where}.{key}.{k}") for k, v in sub.items())
+        for key in ("items", "additionalProperties", "not", "contains", "propertyNames", "if", "then", "else"):
+            sub = node.get(key)
+            if isinstance(sub, (dict, bool)):
+                stack.append((sub, f"{where}.{key}"))
+        for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+            sub = node.get(key)
+            if sub is not None:
+                if not isinstance(sub, list):
+                    raise InvalidConstraintError(f"schema at {where}.{key} must be a list")
+                stack.extend((v, f"{where}.{key}[{i}]") for i, v in enumerate(sub))

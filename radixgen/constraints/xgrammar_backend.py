@@ -1,0 +1,79 @@
+"""xgrammar behind the backend interface (the default: full coverage of the measured real-world
+schemas, ~8 ms p50 compile, microsecond masks)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+from radixgen.constraints.backend import Grammar, GrammarBackend, Matcher
+from radixgen.constraints.spec import ConstraintSpec
+from radixgen.errors import InvalidConstraintError
+
+try:
+    import xgrammar as xgr
+except ImportError as e:  # pragma: no cover - the registry reports this
+    raise ImportError("the xgrammar backend needs the package xgrammar: pip install xgrammar") from e
+
+# Bounded whitespace between JSON tokens: a model cannot pad newlines until max_tokens.
+_SEPARATORS = (", ", ": ")
+
+
+class XGrammarMatcher(Matcher):
+    def __init__(self, compiled: Any) -> None:
+        self._m = xgr.GrammarMatcher(compiled)
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        self._m.fill_next_token_bitmask(torch.from_numpy(bitmask), row)
+
+    def accept(self, token_id: int) -> bool:
+        return bool(self._m.accept_token(token_id))
+
+    def rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return bool(self._m.is_terminated())
+
+    def forced_string(self) -> str:
+        return str(self._m.find_jump_forward_string())
+
+
+class XGrammarGrammar(Grammar):
+    def __init__(self, compiled: Any) -> None:
+        self.compiled = compiled
+
+    def matcher(self) -> Matcher:
+        return XGrammarMatcher(self.compiled)
+
+
+class XGrammarBackend(GrammarBackend):
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        super().__init__(tokenizer, vocab_size, stop_token_ids)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+
+    def compile(self, spec: ConstraintSpec) -> Grammar:
+        try:
+            if spec.kind == "regex":
+                compiled = self._compiler.compile_regex(spec.value)
+            elif spec.kind == "json_schema":
+                compiled = self._compiler.compile_json_schema(
+                    spec.value, any_whitespace=False, separators=_SEPARATORS, strict_mode=True
+                )
+            elif spec.kind == "json_object":
+                compiled = self._compiler.compile_json_schema(
+                    json.dumps({"type": "object"}), any_whitespace=False, separators=_SEPARATORS, strict_mode=False
+                )
+            else:
+                alternatives = "|".join(re.escape(c) for c in spec.choices())
+                compiled = self._compiler.compile_regex(f"({alternatives})")
+        except (RuntimeError, ValueError) as e:
+            raise InvalidConstraintError(f"cannot compile the {spec.kind.replace('_', ' ')}: {e}") from None
+        return XGrammarGrammar(compiled)

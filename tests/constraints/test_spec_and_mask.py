@@ -1,0 +1,137 @@
+"""Constraint specs fail early and clearly; the bitmask masks exactly; random walks through the
+compiled automaton only ever produce valid text."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from typing import Any
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from radixgen import SamplingParams
+from radixgen.constraints import GrammarService, allocate_bitmask, apply_bitmask, make_backend
+from radixgen.constraints.spec import choices_spec, regex_spec, schema_spec
+from radixgen.errors import InvalidConstraintError, InvalidParamsError
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "needle"),
+    [
+        ({"regex": "(abc"}, InvalidConstraintError, "not valid"),
+        ({"regex": r"[^\s\S]"}, InvalidConstraintError, "matches no string"),
+        ({"regex": ""}, InvalidConstraintError, "non-empty"),
+        ({"json_schema": {"type": "strnig"}}, InvalidConstraintError, "not a JSON type"),
+        ({"json_schema": {"properties": {"a": {"type": "intger"}}}}, InvalidConstraintError, r"\$\.properties\.a"),
+        ({"json_schema": "{not json"}, InvalidConstraintError, "not valid JSON"),
+        ({"json_schema": [1, 2]}, InvalidConstraintError, "must be an object"),
+        ({"choices": []}, InvalidConstraintError, "non-empty list"),
+        ({"choices": ["a", ""]}, InvalidConstraintError, "non-empty strings"),
+        ({"regex": "a", "json_object": True}, InvalidParamsError, "at most one constraint"),
+    ],
+)
+def test_bad_specs_raise_clear_errors(kwargs: dict[str, Any], error: type[Exception], needle: str) -> None:
+    with pytest.raises(error, match=needle):
+        SamplingParams(**kwargs)
+
+
+def test_pydantic_model_becomes_its_schema() -> None:
+    from pydantic import BaseModel
+
+    class Item(BaseModel):
+        name: str
+        qty: int
+
+    spec = SamplingParams(json_schema=Item).constraint
+    assert spec is not None and spec.schema()["properties"].keys() == {"name", "qty"}
+    assert list(spec.schema()["properties"]) == ["name", "qty"], "property order is kept"
+
+
+def test_apply_bitmask_matches_a_reference() -> None:
+    rng = np.random.default_rng(0)
+    vocab = 100
+    mask = allocate_bitmask(3, vocab)
+    allowed = rng.random((3, vocab)) < 0.3
+    mask[:] = 0
+    for r in range(3):
+        for t in np.flatnonzero(allowed[r]):
+            mask[r, t // 32] |= np.int32(1 << (t % 32)) if t % 32 != 31 else np.int32(-(2**31))
+    logits = torch.randn(3, vocab)
+    masked = logits.clone()
+    apply_bitmask(masked, torch.from_numpy(mask))
+    assert torch.equal(torch.isfinite(masked), torch.from_numpy(allowed))
+    assert torch.equal(masked[torch.from_numpy(allowed)], logits[torch.from_numpy(allowed)])
+
+
+@pytest.fixture(scope="module")
+def service(tokenizer: Any) -> GrammarService:
+    return GrammarService(make_backend("auto", tokenizer, 49152, [tokenizer.eos_token_id]))
+
+
+def random_walk(service: GrammarService, tokenizer: Any, spec: Any, seed: int, max_tokens: int = 120) -> tuple[str, bool]:
+    """Sample uniformly among allowed tokens until the automaton terminates."""
+    rng = random.Random(seed)
+    matcher = service.compile(spec).matcher()
+    mask = allocate_bitmask(1, 49152)
+    ids: list[int] = []
+    eos = tokenizer.eos_token_id
+    for _ in range(max_tokens):
+        matcher.fill_bitmask(mask, 0)
+        bits = np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:49152]
+        choices = np.flatnonzero(bits)
+        # prefer ending once possible so walks stay short
+        token = eos if eos in choices and rng.random() < 0.3 else int(rng.choice(choices))
+        assert matcher.accept(token)
+        if matcher.is_terminated():
+            return tokenizer.decode(ids), True
+        ids.append(token)
+    return tokenizer.decode(ids), False
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]},
+                                               "maxItems": 3}}, "required": ["tags"]},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+                                                "required": ["x", "y"]}, "ok": {"type": "boolean"}}, "required": ["point", "ok"]},
+    {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"}}, "required": ["id"]},
+]
+
+
+@pytest.mark.parametrize("schema_index", range(len(SCHEMAS)))
+def test_random_walks_through_schema_automata_are_valid_json(service: GrammarService, tokenizer: Any, schema_index: int) -> None:
+    schema = SCHEMAS[schema_index]
+    finished = 0
+    for seed in range(8):
+        text, done = random_walk(service, tokenizer, schema_spec(schema), seed, max_tokens=200)
+        if done:
+            finished += 1
+            jsonschema.validate(json.loads(text), schema)
+    assert finished >= 1
+
+
+@pytest.mark.parametrize("pattern", [r"[0-9]{3}-[0-9]{4}", r"(cat|dog)s?", r"[a-z]+@[a-z]+\.(com|org)", r"-?\d+(\.\d+)?"])
+def test_random_walks_through_regex_automata_match(service: GrammarService, tokenizer: Any, pattern: str) -> None:
+    for seed in range(8):
+        text, done = random_walk(service, tokenizer, regex_spec(pattern), seed)
+        if done:
+            assert re.fullmatch(pattern, text), (pattern, text)
+
+
+def test_choices_only_allow_the_choices(service: GrammarService, tokenizer: Any) -> None:
+    options = ["red", "green", "light blue"]
+    for seed in range(10):
+        text, done = random_walk(service, tokenizer, choices_spec(options), seed)
+        assert done and text in options
+
+
+def test_compiles_are_cached(service: GrammarService) -> None:
+    spec = regex_spec(r"x[0-9]{2,5}y")
+    first = service.compile(spec)
+    misses = service.misses
+    assert service.compile(spec) is first and service.misses == misses

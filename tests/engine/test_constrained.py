@@ -1,0 +1,101 @@
+"""Constrained generation through the engine: outputs always parse and validate."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jsonschema
+import pytest
+
+from radixgen import Engine, FinishReason, SamplingParams
+from tests.constraints.test_spec_and_mask import SCHEMAS
+
+REGEXES = [r"[0-9]{3}-[0-9]{4}", r"(yes|no)", r"[A-Z][a-z]{2,8}", r"\d{4}-\d{2}-\d{2}"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tiny_model_outputs_validate(tiny_engine: Engine, temperature: float) -> None:
+    params = [SamplingParams(max_new_tokens=200, temperature=temperature, seed=i, json_schema=s)
+              for i, s in enumerate(SCHEMAS)]
+    params += [SamplingParams(max_new_tokens=40, temperature=temperature, seed=9, regex=r) for r in REGEXES]
+    outs = tiny_engine.generate(["Reply in JSON:"] * len(SCHEMAS) + ["Reply:"] * len(REGEXES), params)
+    # A random-weight model may loop inside an unbounded field (digits forever) until max_tokens;
+    # whatever finishes must validate, and most must finish.
+    finished = 0
+    for out, schema in zip(outs, SCHEMAS, strict=False):
+        if out.finish_reason is FinishReason.LENGTH:
+            assert out.completion_tokens == 200 and out.text.startswith("{")
+            continue
+        assert out.finish_reason is FinishReason.STOP, (out.text, out.finish_reason)
+        jsonschema.validate(json.loads(out.text), schema)
+        finished += 1
+    assert finished >= len(SCHEMAS) // 2
+    for out, pattern in zip(outs[len(SCHEMAS):], REGEXES, strict=True):
+        assert out.finish_reason is FinishReason.STOP and re.fullmatch(pattern, out.text), (pattern, out.text)
+
+
+def test_constrained_and_free_requests_share_a_batch(tiny_engine: Engine) -> None:
+    free = tiny_engine.generate("Hello", SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+    outs = tiny_engine.generate(
+        ["Hello", "Pick:"],
+        [SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True),
+         SamplingParams(max_new_tokens=12, temperature=0, choices=["alpha", "beta"])],
+    )
+    assert outs[0].token_ids == free.token_ids, "an unconstrained row is untouched by the mask"
+    assert outs[1].text in ("alpha", "beta")
+
+
+def test_json_object_mode_gives_an_object(tiny_engine: Engine) -> None:
+    out = tiny_engine.generate("JSON:", SamplingParams(max_new_tokens=120, temperature=0.7, seed=3, json_object=True))
+    if out.finish_reason is FinishReason.STOP:
+        assert isinstance(json.loads(out.text), dict)
+    else:
+        assert out.text.startswith("{")
+
+
+def test_penalties_and_constraints_run_in_the_engine(tiny_engine: Engine) -> None:
+    base = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    plain = tiny_engine.generate("Again and again", base)
+    penalised = tiny_engine.generate("Again and again", SamplingParams(
+        max_new_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.8, frequency_penalty=1.0))
+    assert penalised.finish_reason is FinishReason.LENGTH
+    assert len(set(penalised.token_ids)) >= len(set(plain.token_ids))
+
+
+def test_abort_while_compiling_and_unsupported_schema(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine()
+    done: list[Any] = []
+    event = threading.Event()
+
+    def on_output(out: Any) -> None:
+        if out.finished:
+            done.append(out)
+            event.set()
+
+    req = engine.add_request("x", SamplingParams(max_new_tokens=50, regex=r"[a-z]{1,40}@example\.com"), on_output=on_output)
+    engine.abort(req.request_id)
+    assert event.wait(30)
+    assert done[0].finish_reason in (FinishReason.ABORT, FinishReason.STOP)
+    bad = engine.generate("x", SamplingParams(max_new_tokens=5, json_schema={"type": "object", "properties": {
+        "a": {"$ref": "#/definitions/missing"}}}))
+    assert bad.finish_reason is FinishReason.ERROR and bad.error and "compile" in bad.error
+
+
+@pytest.mark.real_model
+def test_real_model_schemas_and_regexes(real_engine: Engine) -> None:
+    prompts = [real_engine.apply_chat_template([{"role": "user", "content": f"Give one example as JSON. Case {i}."}])
+               for i in range(len(SCHEMAS))]
+    for temperature in (0.0, 1.0):
+        outs = real_engine.generate(prompts, [SamplingParams(max_new_tokens=160, temperature=temperature, seed=1,
+                                                             json_schema=s) for s in SCHEMAS])
+        for out, schema in zip(outs, SCHEMAS, strict=True):
+            assert out.finish_reason is FinishReason.STOP, out.text
+            jsonschema.validate(json.loads(out.text), schema)
+    q = real_engine.apply_chat_template([{"role": "user", "content": "Give a US phone number."}])
+    outs = real_engine.generate([q] * len(REGEXES), [SamplingParams(max_new_tokens=30, temperature=0, regex=r) for r in REGEXES])
+    for out, pattern in zip(outs, REGEXES, strict=True):
+        assert re.fullmatch(pattern, out.text), (pattern, out.text)
