@@ -20,7 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from radixgen.api.engine_client import EngineClient
 from radixgen.api.metrics import ServerMetrics
 from radixgen.api.protocol import ErrorBody, ErrorResponse, ModelCard, ModelList
-from radixgen.api.routes_openai import router as openai_router
+from radixgen.api.routes_chat import router as chat_router
+from radixgen.api.routes_completions import router as completions_router
 from radixgen.config import ServerConfig
 from radixgen.errors import EngineDeadError, OverloadedError, RadixgenError
 
@@ -59,7 +60,8 @@ def create_app(config: ServerConfig, *, client: EngineClient | None = None) -> F
             await engine.shutdown()
 
     app = FastAPI(title="radixgen", version="0.1.0", lifespan=lifespan)
-    app.include_router(openai_router)
+    app.include_router(chat_router)
+    app.include_router(completions_router)
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:

@@ -114,7 +114,12 @@ def test_logprobs(server: LiveServer) -> None:
         (json.dumps({"messages": []}), 400, "messages"),
         (json.dumps({"messages": CHAT, "max_tokens": 5000}), 400, "max_tokens"),
         (json.dumps({"messages": [{"role": "user", "content": "word " * 1200}]}), 400, "context"),
-        (json.dumps({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {}}}), 400, "response_format"),
+        (json.dumps({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {}}}), 400, "schema"),
+        (json.dumps({"messages": CHAT, "regex": "(unclosed"}), 400, "regex"),
+        (json.dumps({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strnig"}}}}),
+         400, "not a JSON type"),
+        (json.dumps({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                     "tool_choice": {"type": "function", "function": {"name": "g"}}}), 400, "not in tools"),
         (json.dumps({"messages": CHAT, "n": 0}), 400, "n"),
     ],
 )
@@ -187,3 +192,80 @@ def test_engine_death_gives_503_not_a_hang(start_server: Callable[..., LiveServe
     assert time.monotonic() - start < 30
     assert httpx.get(srv.url + "/health").status_code == 503
     assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}).status_code == 503
+
+
+COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+         "required": ["color", "ok"], "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "paint", "description": "Paint a wall", "parameters": COLOR}},
+    {"type": "function", "function": {"name": "wait", "description": "Wait", "parameters": {
+        "type": "object", "properties": {"seconds": {"enum": [1, 5, 10]}}, "required": ["seconds"],
+        "additionalProperties": False}}},
+]
+
+
+def test_response_format_json_schema_validates(server: LiveServer) -> None:
+    import jsonschema
+
+    for temperature in (0.0, 1.0):
+        resp = client(server).chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=60, temperature=temperature, seed=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": COLOR, "strict": True}})
+        assert resp.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(resp.choices[0].message.content), COLOR)
+
+
+def test_regex_and_choices_extensions(server: LiveServer) -> None:
+    import re
+
+    c = client(server)
+    text = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=20,
+                                     extra_body={"regex": "[0-9]{2}-[a-z]{3}"}).choices[0].message.content
+    assert re.fullmatch("[0-9]{2}-[a-z]{3}", text)
+    text = c.completions.create(model="tiny", prompt="Pick:", max_tokens=10,
+                                extra_body={"choices": ["left", "right"]}).choices[0].text
+    assert text in ("left", "right")
+
+
+def test_forced_tool_calls_validate(server: LiveServer) -> None:
+    import jsonschema
+
+    c = client(server)
+    named = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, tools=TOOLS,
+                                      tool_choice={"type": "function", "function": {"name": "paint"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "paint"
+    jsonschema.validate(json.loads(call.function.arguments), COLOR)
+    required = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, tools=TOOLS, tool_choice="required",
+                                         temperature=1.0, seed=2)
+    (call,) = required.choices[0].message.tool_calls
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_streamed_tool_call_fragments_concatenate_to_the_arguments(server: LiveServer) -> None:
+    kwargs = dict(model="tiny", messages=CHAT, max_tokens=60, tools=TOOLS, temperature=0,
+                  tool_choice={"type": "function", "function": {"name": "paint"}})
+    whole = client(server).chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    fragments, names, reasons = [], [], []
+    for chunk in client(server).chat.completions.create(**kwargs, stream=True):
+        for ch in chunk.choices:
+            reasons.append(ch.finish_reason)
+            for tc in ch.delta.tool_calls or []:
+                if tc.function.name:
+                    names.append(tc.function.name)
+                fragments.append(tc.function.arguments or "")
+    assert names == ["paint"] and reasons[-1] == "tool_calls"
+    assert "".join(fragments) == whole.function.arguments
+    json.loads("".join(fragments))
+
+
+def test_auto_tool_choice_answers_in_text_or_a_parsed_call(server: LiveServer) -> None:
+    resp = client(server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=20, tools=TOOLS)
+    choice = resp.choices[0]
+    if choice.finish_reason == "tool_calls":
+        assert choice.message.tool_calls[0].function.name in ("paint", "wait")
+    else:
+        assert choice.message.content is not None and choice.message.tool_calls is None

@@ -1,0 +1,238 @@
+"""/v1/chat/completions: chat templates, constraints from response_format, tool calls."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from radixgen.api.chat import (
+    chat_prompt_ids,
+    forced_tool_call,
+    parse_tool_calls,
+    tool_call_schema,
+    tool_mode,
+)
+from radixgen.api.engine_client import EngineClient
+from radixgen.api.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    DeltaMessage,
+    ResponseMessage,
+    Tool,
+    ToolCall,
+    Usage,
+)
+from radixgen.api.serving import (
+    ChoiceResult,
+    ClientGone,
+    apply,
+    build_params,
+    check_model,
+    constraint_fields,
+    consume,
+    merge_streams,
+    observe_latency,
+    record,
+    sse,
+    token_logprobs,
+    until_done_or_gone,
+    usage,
+)
+from radixgen.engine.request import SamplingParams
+from radixgen.errors import InvalidParamsError
+
+router = APIRouter()
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------
+
+
+@dataclass
+class ToolPlan:
+    """How this chat request treats tools: mode, the tools, the forced one."""
+
+    mode: str = "none"
+    tools: list[Tool] = field(default_factory=list)
+    named: Tool | None = None
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+    def finish(self, result: ChoiceResult) -> tuple[str | None, list[ToolCall] | None, str | None]:
+        """(content, tool_calls, finish_reason) of a finished choice."""
+        if result.finish_reason != "stop" or self.mode == "none":
+            return result.text, None, result.finish_reason
+        if self.forced:
+            return None, [forced_tool_call(self.mode, self.named, result.text)], "tool_calls"
+        calls = parse_tool_calls(result.text, self.tools) if self.mode == "auto" else None
+        if calls:
+            return None, calls, "tool_calls"
+        return result.text, None, result.finish_reason
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
+    check_model(req, request)
+    state = request.app.state
+    client: EngineClient = state.client
+    mode, named = tool_mode(req)
+    tools = ToolPlan(mode, list(req.tools or []), named)
+    constraint = constraint_fields(req)
+    if tools.forced:
+        if constraint:
+            raise InvalidParamsError("a forced tool call (tool_choice required or named) cannot be combined with "
+                                     "response_format, regex or choices")
+        constraint = {"json_schema": tool_call_schema(mode, tools.tools, named)}
+    prompt_ids = chat_prompt_ids(state.tokenizer, req, mode)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    top = req.top_logprobs or 0
+    if top and not req.logprobs:
+        raise InvalidParamsError("top_logprobs needs logprobs=true")
+    params = [build_params(req, len(prompt_ids), client.info["max_context_len"], max_tokens=max_tokens,
+                           logprobs=req.logprobs, top_logprobs=top, seed_offset=i, constraint=constraint)
+              for i in range(req.n)]
+    base_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    jobs = [(f"{base_id}-{i}", prompt_ids, p) for i, p in enumerate(params)]
+    model = state.config.served_model_name
+    started = time.perf_counter()
+    if req.stream:
+        return StreamingResponse(_chat_stream(request, req, tools, jobs, base_id, model, started),
+                                 media_type="text/event-stream")
+    results = [ChoiceResult() for _ in jobs]
+    tasks = [asyncio.create_task(consume(client, rid, ids, p, r)) for (rid, ids, p), r in zip(jobs, results, strict=True)]
+    try:
+        await until_done_or_gone(request, tasks)
+    except ClientGone:
+        record(request, "chat", 499, results, started)
+        return JSONResponse({}, status_code=499)
+    record(request, "chat", 200, results, started)
+    choices = []
+    for i, r in enumerate(results):
+        content, calls, reason = tools.finish(r)
+        choices.append(ChatChoice(index=i, message=ResponseMessage(content=content, tool_calls=calls), finish_reason=reason,
+                                  logprobs=token_logprobs(state.tokenizer, r, bool(top)) if req.logprobs else None))
+    return ChatCompletionResponse(id=base_id, model=model, choices=choices, usage=usage(results))
+
+
+class _ChoiceStream:
+    """Turns one choice's text deltas into chat deltas: content, or tool-call fragments.
+
+    A named tool streams its arguments as they come; a 'required' call (the name is inside the
+    JSON) and an 'auto' answer that starts like JSON are held until the end and then parsed.
+    """
+
+    def __init__(self, index: int, tools: ToolPlan) -> None:
+        self.index, self.tools = index, tools
+        self.call_id = f"call-{uuid.uuid4().hex[:24]}"
+        self.started = False
+        self.held = ""
+        self.holding = tools.mode in ("required",)
+
+    def delta(self, text: str) -> list[DeltaMessage]:
+        if self.tools.mode == "named":
+            assert self.tools.named is not None
+            out = []
+            if not self.started:
+                self.started = True
+                out.append(self._call(self.tools.named.function.name, ""))
+            if text:
+                out.append(DeltaMessage(tool_calls=[{"index": 0, "function": {"arguments": text}}]))
+            return out
+        if self.tools.mode == "auto" and not self.started and not self.holding:
+            stripped = (self.held + text).lstrip()
+            if not stripped:
+                self.held += text
+                return []
+            self.started = True
+            if stripped[0] in "{<[":
+                self.holding = True
+            else:
+                text, self.held = self.held + text, ""
+        if self.holding:
+            self.held += text
+            return []
+        return [DeltaMessage(content=text)] if text else []
+
+    def finish(self, result: ChoiceResult) -> tuple[list[DeltaMessage], str | None]:
+        if self.tools.mode == "named":
+            return [], "tool_calls" if result.finish_reason == "stop" else result.finish_reason
+        if not self.holding:
+            return [], result.finish_reason
+        content, calls, reason = self.tools.finish(result)
+        if calls:
+            return [DeltaMessage(tool_calls=[self._call(c.function.name, c.function.arguments, i)["tool_calls"][0]
+                                             for i, c in enumerate(calls)])], reason
+        return [DeltaMessage(content=self.held)] if self.held else [], reason
+
+    def _call(self, name: str, arguments: str, index: int = 0) -> Any:
+        return DeltaMessage(tool_calls=[{"index": index, "id": self.call_id if index == 0 else f"{self.call_id}-{index}",
+                                         "type": "function", "function": {"name": name, "arguments": arguments}}])
+
+
+async def _chat_stream(request: Request, req: ChatCompletionRequest, tools: ToolPlan,
+                       jobs: list[tuple[str, list[int], SamplingParams]], base_id: str, model: str,
+                       started: float) -> AsyncIterator[str]:
+    state = request.app.state
+    created = int(time.time())
+    results = [ChoiceResult() for _ in jobs]
+    streams = [_ChoiceStream(i, tools) for i in range(len(jobs))]
+    last_token_at: list[float | None] = [None] * len(jobs)
+
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        return sse(ChatCompletionChunk(id=base_id, created=created, model=model, choices=choices,
+                                        usage=usage).model_dump(exclude_none=True))
+
+    for i in range(len(jobs)):
+        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+    status = 200
+    try:
+        async for item in merge_streams(state.client, jobs):
+            if item is None:
+                yield ": keep-alive\n\n"
+                continue
+            i, out = item
+            apply(results[i], out, streamed=True)
+            observe_latency(state.metrics, last_token_at, i, out, started)
+            logprobs = None
+            if req.logprobs and out.new_token_ids:
+                part = ChoiceResult(token_ids=out.new_token_ids, logprobs=out.new_logprobs or [],
+                                    top_logprobs=out.new_top_logprobs or [])
+                logprobs = token_logprobs(state.tokenizer, part, bool(req.top_logprobs))
+            deltas = streams[i].delta(out.new_text)
+            reason = None
+            if out.finished:
+                extra, reason = streams[i].finish(results[i])
+                deltas += extra
+            if logprobs is not None and not deltas:
+                deltas = [DeltaMessage()]
+            for n, d in enumerate(deltas):
+                last = n == len(deltas) - 1
+                yield chunk([ChatChunkChoice(index=i, delta=d, finish_reason=reason if last else None,
+                                             logprobs=logprobs if last else None)])
+            if out.finished and not deltas:
+                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=reason)])
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield chunk([], usage=usage(results))
+        yield sse("[DONE]")
+    except asyncio.CancelledError:
+        status = 499
+        raise
+    except Exception as e:  # after the first byte an HTTP status cannot change: report in-band
+        status = 400 if isinstance(e, ValueError) else 500
+        kind = "invalid_request_error" if status == 400 else "server_error"
+        yield sse({"error": {"message": str(e), "type": kind, "code": status}})
+    finally:
+        record(request, "chat", status, results, started)
+
+

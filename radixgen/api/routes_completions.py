@@ -1,0 +1,195 @@
+"""/v1/completions and the native /generate (the DSL's Endpoint backend talks to it)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from radixgen.api.engine_client import EngineClient
+from radixgen.api.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    GenerateRequest,
+    PromptTokensDetails,
+    Usage,
+)
+from radixgen.api.serving import (
+    ChoiceResult,
+    ClientGone,
+    apply,
+    build_params,
+    check_model,
+    constraint_fields,
+    consume,
+    merge_streams,
+    observe_latency,
+    record,
+    sse,
+    until_done_or_gone,
+)
+from radixgen.engine.request import RequestOutput, SamplingParams
+from radixgen.errors import InvalidParamsError, PromptTooLongError
+
+router = APIRouter()
+
+
+# ---- /v1/completions ----------------------------------------------------------------------
+
+
+def _completion_prompts(tokenizer: Any, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        return [list(prompt)]
+    else:
+        prompts = list(prompt)
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            out.append(list(tokenizer.encode(p, add_special_tokens=False)))
+        else:
+            out.append(list(p))
+    if not out or any(not p for p in out):
+        raise InvalidParamsError("prompt is empty; give at least one token of text")
+    vocab = tokenizer.__len__()
+    if any(not (0 <= t < vocab) for p in out for t in p):
+        raise InvalidParamsError(f"prompt token ids must be in [0, {vocab})")
+    return out
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(req: CompletionRequest, request: Request) -> Any:
+    check_model(req, request)
+    constraint = constraint_fields(req)
+    state = request.app.state
+    client: EngineClient = state.client
+    prompts = _completion_prompts(state.tokenizer, req.prompt)
+    max_context = client.info["max_context_len"]
+    top = req.logprobs or 0
+    jobs = []
+    base_id = f"cmpl-{uuid.uuid4().hex[:24]}"
+    for p_index, ids in enumerate(prompts):
+        for j in range(req.n):
+            params = build_params(req, len(ids), max_context, max_tokens=req.max_tokens or 16,
+                                  logprobs=req.logprobs is not None, top_logprobs=top, seed_offset=j,
+                                  constraint=constraint)
+            jobs.append((f"{base_id}-{p_index}-{j}", ids, params))
+    model = state.config.served_model_name
+    started = time.perf_counter()
+    if req.stream:
+        return StreamingResponse(_completion_stream(request, req, jobs, base_id, model, started),
+                                 media_type="text/event-stream")
+    results = [ChoiceResult() for _ in jobs]
+    tasks = [asyncio.create_task(consume(client, rid, ids, p, r)) for (rid, ids, p), r in zip(jobs, results, strict=True)]
+    try:
+        await until_done_or_gone(request, tasks)
+    except ClientGone:
+        record(request, "completions", 499, results, started)
+        return JSONResponse({}, status_code=499)
+    record(request, "completions", 200, results, started)
+    choices = []
+    for i, ((_, ids, _), r) in enumerate(zip(jobs, results, strict=True)):
+        text = (state.tokenizer.decode(ids) + r.text) if req.echo else r.text
+        lp = None
+        if req.logprobs is not None:
+            lp = {"tokens": [state.tokenizer.decode([t]) for t in r.token_ids], "token_logprobs": r.logprobs,
+                  "top_logprobs": [{state.tokenizer.decode([t]): v for t, v in tops} for tops in r.top_logprobs] or None}
+        choices.append(CompletionChoice(index=i, text=text, finish_reason=r.finish_reason, logprobs=lp))
+    usage = Usage(prompt_tokens=sum(len(ids) for ids in prompts), completion_tokens=sum(len(r.token_ids) for r in results),
+                  total_tokens=0, prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in results)))
+    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+    return CompletionResponse(id=base_id, model=model, choices=choices, usage=usage)
+
+
+async def _completion_stream(request: Request, req: CompletionRequest, jobs: list[tuple[str, list[int], SamplingParams]],
+                             base_id: str, model: str, started: float) -> AsyncIterator[str]:
+    state = request.app.state
+    created = int(time.time())
+    results = [ChoiceResult() for _ in jobs]
+    last_token_at: list[float | None] = [None] * len(jobs)
+    status = 200
+    try:
+        async for item in merge_streams(state.client, jobs):
+            if item is None:
+                yield ": keep-alive\n\n"
+                continue
+            i, out = item
+            apply(results[i], out, streamed=True)
+            observe_latency(state.metrics, last_token_at, i, out, started)
+            if out.new_text or out.finished:
+                yield sse({"id": base_id, "object": "text_completion", "created": created, "model": model,
+                            "choices": [{"index": i, "text": out.new_text,
+                                         "finish_reason": results[i].finish_reason if out.finished else None,
+                                         "logprobs": None}]})
+        if req.stream_options is not None and req.stream_options.include_usage:
+            prompt = sum(len(ids) for _, ids, _ in jobs[:: max(req.n, 1)])
+            completion = sum(len(r.token_ids) for r in results)
+            yield sse({"id": base_id, "object": "text_completion", "created": created, "model": model, "choices": [],
+                        "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                  "total_tokens": prompt + completion}})
+        yield sse("[DONE]")
+    except asyncio.CancelledError:
+        status = 499
+        raise
+    except Exception as e:  # noqa: BLE001
+        status = 500
+        yield sse({"error": {"message": str(e), "type": "server_error", "code": 500}})
+    finally:
+        record(request, "completions", status, results, started)
+
+
+# ---- /generate (native) ---------------------------------------------------------------------
+
+
+@router.post("/generate", response_model=None)
+async def generate(req: GenerateRequest, request: Request) -> Any:
+    state = request.app.state
+    client: EngineClient = state.client
+    if (req.text is None) == (req.input_ids is None):
+        raise InvalidParamsError("give exactly one of text and input_ids")
+    ids = _completion_prompts(state.tokenizer, req.text if req.text is not None else req.input_ids)[0]
+    sp = dict(req.sampling_params)
+    max_new = sp.pop("max_new_tokens", None)
+    room = client.info["max_context_len"] - len(ids)
+    if max_new is not None and max_new > room:
+        raise PromptTooLongError(f"max_new_tokens {max_new} does not fit after the {len(ids)}-token prompt "
+                                 f"(context {client.info['max_context_len']})")
+    try:
+        params = SamplingParams(max_new_tokens=max_new or min(room, 128), **sp)
+    except TypeError as e:
+        raise InvalidParamsError(f"sampling_params: {e}") from None
+    rid = req.request_id or f"gen-{uuid.uuid4().hex[:24]}"
+    started = time.perf_counter()
+    if req.stream:
+        async def events() -> AsyncIterator[str]:
+            async for out in client.generate(rid, ids, params, stream=True):
+                yield sse({"text": out.new_text, "token_ids": out.new_token_ids, "finished": out.finished,
+                            "meta": _meta(out)})
+            yield sse("[DONE]")
+        return StreamingResponse(events(), media_type="text/event-stream")
+    result = ChoiceResult()
+    task = asyncio.create_task(consume(client, rid, ids, params, result))
+    try:
+        await until_done_or_gone(request, [task])
+    except ClientGone:
+        return JSONResponse({}, status_code=499)
+    record(request, "generate", 200, [result], started)
+    return {"text": result.text, "token_ids": result.token_ids,
+            "meta": {"request_id": rid, "finish_reason": result.finish_reason, "prompt_tokens": len(ids),
+                     "completion_tokens": len(result.token_ids), "cached_tokens": result.cached_tokens,
+                     "logprobs": result.logprobs or None}}
+
+
+def _meta(out: RequestOutput) -> dict[str, Any]:
+    return {"request_id": out.request_id, "finish_reason": out.finish_reason.value if out.finish_reason else None,
+            "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+            "cached_tokens": out.cached_tokens}
+
+

@@ -1,0 +1,231 @@
+"""What every OpenAI route shares: request fields -> engine types, running one or many engine
+requests (with disconnect handling and stream merging), SSE framing, metrics recording."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import HTTPException, Request
+
+from radixgen.api.engine_client import EngineClient
+from radixgen.api.protocol import (
+    ChoiceLogprobs,
+    PromptTokensDetails,
+    SamplingFields,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from radixgen.engine.request import FinishReason, RequestOutput, SamplingParams
+from radixgen.errors import InvalidParamsError, PromptTooLongError
+
+_KEEPALIVE_S = 10.0
+_DISCONNECT_POLL_S = 0.25
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected; its requests were aborted."""
+
+
+@dataclass
+class ChoiceResult:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+# ---- request -> engine types --------------------------------------------------------------
+
+
+def check_model(req: SamplingFields, request: Request) -> None:
+    name = request.app.state.config.served_model_name
+    if req.model is not None and req.model not in (name, "default"):
+        raise HTTPException(404, f"model {req.model!r} does not exist here; available: {name!r}")
+
+
+def constraint_fields(req: Any) -> dict[str, Any]:
+    """SamplingParams constraint keywords from response_format and the regex / choices extensions."""
+    fields: dict[str, Any] = {}
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.type == "json_object":
+        fields["json_object"] = True
+    elif fmt is not None and fmt.type == "json_schema":
+        spec = fmt.json_schema or {}
+        schema = spec.get("schema")
+        if schema is None:
+            raise InvalidParamsError("response_format.json_schema.schema is required for type 'json_schema'")
+        fields["json_schema"] = schema
+    if getattr(req, "regex", None) is not None:
+        fields["regex"] = req.regex
+    if getattr(req, "choices", None) is not None:
+        fields["choices"] = tuple(req.choices)
+    if len(fields) > 1:
+        raise InvalidParamsError(f"give at most one of response_format, regex and choices; got {', '.join(fields)}")
+    return fields
+
+
+def build_params(req: SamplingFields, prompt_len: int, max_context: int, *, max_tokens: int | None,
+                 logprobs: bool = False, top_logprobs: int = 0, seed_offset: int = 0,
+                 constraint: dict[str, Any] | None = None) -> SamplingParams:
+    room = max_context - prompt_len
+    if room < 1:
+        raise PromptTooLongError(f"the prompt has {prompt_len} tokens; the context holds {max_context}: shorten it")
+    if max_tokens is not None and max_tokens > room:
+        raise PromptTooLongError(
+            f"max_tokens is {max_tokens} but only {room} tokens fit after the {prompt_len}-token prompt "
+            f"(context {max_context}): lower max_tokens or shorten the prompt"
+        )
+    return SamplingParams(
+        max_new_tokens=max_tokens or room,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=None if req.seed is None else req.seed + seed_offset,
+        stop=req.stop or (),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        **(constraint or {}),
+    )
+
+
+def usage(results: list[ChoiceResult]) -> Usage:
+    prompt = results[0].prompt_tokens if results else 0
+    completion = sum(len(r.token_ids) for r in results)
+    cached = max((r.cached_tokens for r in results), default=0)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+# ---- running requests ---------------------------------------------------------------------
+
+
+async def consume(client: EngineClient, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                   result: ChoiceResult, on_delta: Any = None) -> ChoiceResult:
+    stream = on_delta is not None or params.logprobs or bool(params.top_logprobs)
+    async for out in client.generate(request_id, prompt_ids, params, stream=stream):
+        apply(result, out, stream)
+        if on_delta is not None:
+            await on_delta(out)
+    return result
+
+
+def apply(result: ChoiceResult, out: RequestOutput, streamed: bool) -> None:
+    result.prompt_tokens, result.cached_tokens = out.prompt_tokens, out.cached_tokens
+    if out.error is not None and out.finish_reason is FinishReason.ERROR:
+        raise InvalidParamsError(out.error) if out.user_error else RuntimeError(out.error)
+    if streamed:
+        result.text += out.new_text
+        result.token_ids.extend(out.new_token_ids)
+        result.logprobs.extend(out.new_logprobs or [])
+        result.top_logprobs.extend(out.new_top_logprobs or [])
+    if out.finished:
+        if not streamed:
+            result.text, result.token_ids = out.text or "", list(out.output_ids or [])
+        result.finish_reason = out.finish_reason.value if out.finish_reason else None
+
+
+async def until_done_or_gone(request: Request, tasks: list[asyncio.Task[Any]]) -> list[Any]:
+    """Wait for the tasks; if the client disconnects first, cancel them (aborting in the engine)."""
+    pending = set(tasks)
+    while pending:
+        _, pending = await asyncio.wait(pending, timeout=_DISCONNECT_POLL_S)
+        if pending and await request.is_disconnected():
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            raise ClientGone()
+    return [t.result() for t in tasks]
+
+
+def token_logprobs(tokenizer: Any, result: ChoiceResult, with_top: bool) -> ChoiceLogprobs:
+    content = []
+    for i, (tok, lp) in enumerate(zip(result.token_ids, result.logprobs, strict=False)):
+        text = tokenizer.decode([tok])
+        tops = []
+        if with_top and i < len(result.top_logprobs):
+            tops = [TopLogprob(token=tokenizer.decode([t]), logprob=v, bytes=list(tokenizer.decode([t]).encode()))
+                    for t, v in result.top_logprobs[i]]
+        content.append(TokenLogprob(token=text, logprob=lp, bytes=list(text.encode()), top_logprobs=tops))
+    return ChoiceLogprobs(content=content)
+
+
+def sse(payload: Any) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def merge_streams(
+    client: EngineClient, jobs: list[tuple[str, list[int], SamplingParams]]
+) -> AsyncIterator[tuple[int, RequestOutput] | None]:
+    """Outputs of several requests as they come, tagged with their choice index; None = quiet."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, rid: str, ids: list[int], params: SamplingParams) -> None:
+        try:
+            async for out in client.generate(rid, ids, params, stream=True):
+                await queue.put((index, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put(e)
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.create_task(pump(i, *job)) for i, job in enumerate(jobs)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            try:
+                item = await asyncio.wait_for(queue.get(), timeout=_KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                yield None
+                continue
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+
+
+def observe_latency(metrics: Any, last: list[float | None], i: int, out: RequestOutput, started: float) -> None:
+    if not out.new_token_ids:
+        return
+    now = time.perf_counter()
+    if last[i] is None:
+        metrics.ttft.observe(now - started)
+    else:
+        metrics.itl.observe(now - last[i])
+    last[i] = now
+
+
+def record(request: Request, endpoint: str, status: int, results: list[ChoiceResult], started: float) -> None:
+    metrics = request.app.state.metrics
+    metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+    if results and status == 200:
+        metrics.prompt_tokens.inc(results[0].prompt_tokens)
+        metrics.cached_tokens.inc(results[0].cached_tokens)
+        metrics.generation_tokens.inc(sum(len(r.token_ids) for r in results))
+        metrics.e2e.observe(time.perf_counter() - started)
+
