@@ -24,3 +24,13 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     batch, vocab = logits.shape
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(batch, -1)[:, :vocab].bool()
     logits.masked_fill_(~allowed, float("-inf"))
+
+
+def ban_tokens(row: np.ndarray, tokens: set[int]) -> None:
+    """Clear the bits of ``tokens`` in one bitmask row, unless that would allow nothing at all
+    (then the automaton's own choice stands and the retry bound ends the request)."""
+    trial = row.copy()
+    for t in tokens:
+        trial[t // 32] &= np.int32(~(1 << (t % 32)) if t % 32 != 31 else 0x7FFFFFFF)
+    if trial.any():
+        row[:] = trial

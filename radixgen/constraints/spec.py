@@ -71,7 +71,32 @@ def schema_spec(schema: Any) -> ConstraintSpec:
     if len(text) > MAX_SCHEMA_BYTES:
         raise InvalidConstraintError(f"json_schema is {len(text)} bytes; the limit is {MAX_SCHEMA_BYTES}")
     _check_schema_types(schema, "$")
+    _check_refs_are_local(schema)
     return ConstraintSpec("json_schema", text)
+
+
+def _check_refs_are_local(schema: dict[str, Any]) -> None:
+    """References must resolve inside the schema: nothing is fetched (no network at run time)."""
+    ids: set[str] = set()
+    refs: list[tuple[str, str, str]] = []
+    stack: list[tuple[Any, str]] = [(schema, "$")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("$id"), str):
+                ids.add(node["$id"].rstrip("#"))
+            for key in ("$ref", "$dynamicRef"):
+                if isinstance(node.get(key), str):
+                    refs.append((key, node[key], where))
+            stack.extend((v, f"{where}.{k}") for k, v in node.items() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(node))
+    for key, ref, where in refs:
+        target = ref.split("#", 1)[0]
+        if target and not any(i == target or i.endswith("/" + target) for i in ids):
+            raise InvalidConstraintError(
+                f"{key} {ref!r} at {where} points outside the schema; only references inside it are supported"
+            )
 
 
 def choices_spec(choices: Any) -> ConstraintSpec:

@@ -23,7 +23,8 @@ import torch
 
 from radixgen.config import EngineConfig
 from radixgen.constraints import Grammar, GrammarService, allocate_bitmask, make_backend
-from radixgen.constraints.mask import ALL_ALLOWED
+from radixgen.constraints.events import SchemaValidators, Validation
+from radixgen.constraints.mask import ALL_ALLOWED, ban_tokens
 from radixgen.engine.batch import StepKind, StepPlan
 from radixgen.engine.model_runner import ModelRunner
 from radixgen.engine.request import FinishReason, Request, RequestOutput, SamplingParams
@@ -108,6 +109,7 @@ class Engine:
         self._grammar_lock = threading.Lock()
         self._bitmask = allocate_bitmask(self.config.max_running_requests, self.model_config.vocab_size)
         self._aborted_while_compiling: set[str] = set()
+        self._schema_validators: dict[str, SchemaValidators] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="radixgen-engine", daemon=True)
         self._thread.start()
@@ -346,6 +348,20 @@ class Engine:
             self.scheduler.abort(req.request_id, FinishReason.ERROR, error=str(error))
         else:
             req.matcher = grammar.matcher()
+            req.validation = self._validation(req)
+
+    def _validation(self, req: Request) -> Validation | None:
+        params, spec = req.params, req.params.constraint
+        schema = model = None
+        if spec is not None and spec.kind == "json_schema":
+            schema = self._schema_validators.get(spec.value)
+            if schema is None:
+                schema = self._schema_validators[spec.value] = SchemaValidators(spec.schema())
+            if isinstance(params.json_schema, type) and hasattr(params.json_schema, "model_validate"):
+                model = params.json_schema
+        if schema is None and model is None and not params.validators:
+            return None
+        return Validation(schema=schema, model=model, user=params.validators)
 
     def _constraint_bitmask(self, plan: StepPlan) -> torch.Tensor | None:
         """Allowed-token bitmask rows for this step's constrained requests (None if there are none)."""
@@ -356,7 +372,11 @@ class Engine:
         mask = self._bitmask[: plan.batch_size]
         mask.fill(ALL_ALLOWED)
         for i in rows:
-            plan.requests[i].matcher.fill_bitmask(mask, i)  # type: ignore[union-attr]
+            req = plan.requests[i]
+            req.matcher.fill_bitmask(mask, i)  # type: ignore[union-attr]
+            banned = req.bans.get(len(req.output_ids))
+            if banned:
+                ban_tokens(mask[i], banned)
         return torch.from_numpy(mask).to(self.runner.device)
 
     def _loop(self) -> None:

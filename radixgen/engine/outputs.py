@@ -50,22 +50,57 @@ class OutputProcessor:
             return FinishReason.STOP  # the stop token's text is not part of the output
         detok = self.detokenizers[req.request_id]
         if self.tokenizer is not None:  # None in the trace simulator: no text at all
+            before = len(detok.text)
             detok.add_token(token)
+            if req.validation is not None:
+                req.token_text_ends.append(len(detok.text))
+                rejection = req.validation.feed(detok.text[before:])
+                if rejection is not None:
+                    # back to the value's first token; ban the token that chose its content (for a
+                    # string, the one after the opening quote, which the automaton forces anyway)
+                    ban_char = rejection.start + (1 if rejection.is_string else 0)
+                    req.pending_rollback = (self._token_at(req, rejection.start), self._token_at(req, ban_char),
+                                            rejection.reason)
+                    return None
         if detok.stopped:
             return FinishReason.STOP
         if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.max_context_len:
             return FinishReason.LENGTH
         return None
 
+    @staticmethod
+    def _token_at(req: Request, char: int) -> int:
+        """Index of the output token whose text holds character ``char``."""
+        for i, end in enumerate(req.token_text_ends):
+            if end > char:
+                return i
+        return len(req.token_text_ends) - 1
+
+    def rewind(self, req: Request, keep: int) -> None:
+        """Rebuild the text state for the first ``keep`` output tokens (after a rollback)."""
+        old = self.detokenizers[req.request_id]
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, skip_special_tokens=old.skip_special_tokens,
+                                       stop=old.stop)
+        ends = []
+        for t in req.output_ids[:keep]:
+            detok.add_token(t)
+            ends.append(len(detok.text))
+        self.detokenizers[req.request_id] = detok
+        req.token_text_ends = ends
+        if req.validation is not None:
+            req.validation.reset(detok.text)
+
     def emit(self, req: Request, *, final: bool, has_new_token: bool) -> RequestOutput | None:
-        """Hand a delta to the request's callback; non-streaming requests only get the end."""
-        if not final and (not req.stream or req.on_output is None):
+        """Hand a delta to the request's callback; non-streaming requests only get the end, and
+        so do requests with validators (a rollback could take back text already sent)."""
+        if not final and (not req.stream or req.on_output is None or req.validation is not None):
             return None
         detok = self.detokenizers[req.request_id]
         out = RequestOutput(
             request_id=req.request_id,
-            new_token_ids=req.output_ids[-1:] if has_new_token else [],
             new_text=detok.take_delta(final) if self.tokenizer is not None else "",
+            new_token_ids=req.output_ids if final and req.validation is not None and req.stream else (
+                req.output_ids[-1:] if has_new_token else []),
             finished=final,
             finish_reason=req.finish_reason,
             error=req.error,

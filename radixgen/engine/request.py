@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixgen.constraints.backend import Matcher
+from radixgen.constraints.events import Validation
 from radixgen.constraints.spec import (
     JSON_OBJECT,
     ConstraintSpec,
@@ -34,6 +35,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_new_tokens or the context limit
     ABORT = "abort"  # aborted by the caller (or its client went away)
+    CONSTRAINT_VIOLATION = "constraint_violation"  # validators kept rejecting past the retry bound
     ERROR = "error"  # an internal fault ended this request; the engine keeps serving
 
 
@@ -72,6 +74,10 @@ class SamplingParams:
     choices: tuple[str, ...] | None = None
     json_object: bool = False
     """Any JSON object (OpenAI's response_format json_object)."""
+    validators: dict[str, Any] | None = field(default=None, compare=False)
+    """Callbacks by JSON path ("$.price", "$.items[*].qty") run on each completed value; a False
+    return or a ValueError rejects it: the request rolls back to the value's start and resamples."""
+    max_validation_retries: int = 5
     constraint: ConstraintSpec | None = field(default=None, init=False, compare=False, repr=False)
     """Derived from the fields above and validated at construction."""
 
@@ -124,6 +130,12 @@ class SamplingParams:
         _check(len(self.stop) <= 16, "stop", "at most 16 strings", len(self.stop))
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", "non-negative integers", self.stop_token_ids)
+        _check(isinstance(self.max_validation_retries, int) and 0 <= self.max_validation_retries <= 100,
+               "max_validation_retries", "an integer in [0, 100]", self.max_validation_retries)
+        _check(self.validators is None or (isinstance(self.validators, dict)
+                                           and all(isinstance(k, str) and k.startswith("$") and callable(v)
+                                                   for k, v in self.validators.items())),
+               "validators", "a dict of JSON paths ('$...') to callables", self.validators)
         _check(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
                "top_logprobs", f"an integer in [0, {MAX_TOP_LOGPROBS}]", self.top_logprobs)
 
@@ -195,6 +207,15 @@ class Request:
     admitted: bool = False
     matcher: Matcher | None = None
     """The constraint automaton's state for this request (None when unconstrained)."""
+    validation: Validation | None = None
+    """Validators over the JSON output (None when there are none)."""
+    token_text_ends: list[int] = field(default_factory=list)
+    """Output text length after each output token (maps a rejected value's start to a token)."""
+    bans: dict[int, set[int]] = field(default_factory=dict)
+    """Output position -> tokens a validator rejected there (masked out when resampling)."""
+    pending_rollback: tuple[int, int, str] | None = None
+    """(output tokens to keep, position whose token to ban, why) set by a validator rejection."""
+    num_rollbacks: int = 0
 
     @property
     def prompt_len(self) -> int:

@@ -332,6 +332,11 @@ class Scheduler:
                 self.running_version += 1
             reason = self.outputs.append_token(req, token_ids[i], result, i)
             self.stats.generated_tokens += 1
+            if req.pending_rollback is not None:
+                out = self._rollback(req)
+                if out is not None:
+                    outputs.append(out)
+                continue
             if reason is None:
                 out = self.outputs.emit(req, final=False, has_new_token=True)
                 if out is not None:
@@ -345,6 +350,41 @@ class Scheduler:
         self.stats.record(self._step, queue_depth=len(self.waiting), running=len(self.running),
                           kv_used=self.pool.used(), cached=self.tree.cached_tokens())
         return outputs
+
+    def _rollback(self, req: Request) -> RequestOutput | None:
+        """A validator rejected a value: take the output back to the value's first token, ban that
+        token there, and requeue the request (its kept prefix is served from the cache). Past
+        the retry bound the request ends with ``constraint_violation``."""
+        assert req.pending_rollback is not None and req.matcher is not None
+        keep, ban_at, why = req.pending_rollback
+        req.pending_rollback = None
+        req.num_rollbacks += 1
+        self._remove_running(req)
+        if req.num_rollbacks > req.params.max_validation_retries:
+            return self._finish(req, FinishReason.CONSTRAINT_VIOLATION,
+                                error=f"the output kept failing validation; last reason: {why}")
+        removed = len(req.output_ids) - keep
+        req.matcher.rollback(removed)
+        req.bans = {pos: toks for pos, toks in req.bans.items() if pos <= keep or pos == ban_at}
+        req.bans.setdefault(ban_at, set()).add(req.output_ids[ban_at])
+        del req.output_ids[keep:]
+        del req.output_logprobs[keep:]
+        del req.output_top_logprobs[keep:]
+        self.outputs.rewind(req, keep)
+        # KV stays valid for the kept tokens but the last one (it is fed again to resample)
+        kept_computed = req.prompt_len + keep - 1
+        if kept_computed >= req.prefix_len:
+            tail = self.pool.row_slots(req.pool_row, req.num_computed)[kept_computed:].copy()
+            self.pool.slots.free(tail)
+            req.num_computed = kept_computed
+            self._release_kv(req, cache=True)
+        else:  # the cached prefix reaches past the rollback point: keep the tree's copy, drop ours
+            self._release_kv(req, cache=False)
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self._step.rollbacks += 1
+        logger.debug("rolled back %s to output token %d: %s", req.request_id, keep, why)
+        return None
 
     def _finish(
         self, req: Request, reason: FinishReason, *, error: str | None = None, has_new_token: bool = False

@@ -1,0 +1,78 @@
+"""Score a grammar backend plus our validator layer on JSON-Schema-Test-Suite files.
+
+An instance counts as accepted when the automaton accepts its text (serialized in our style:
+", " and ": " separators, object keys in the schema's property order) followed by the stop
+token, and no validator that can steer generation (rollback and resample) rejects it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from radixgen.constraints.compile import GrammarService
+from radixgen.constraints.events import SchemaValidators, Validation, _resolve
+from radixgen.constraints.spec import schema_spec
+from radixgen.errors import InvalidConstraintError
+
+
+@dataclass
+class SuiteScore:
+    counts: Counter[str] = field(default_factory=Counter)
+    per_file: dict[str, Counter[str]] = field(default_factory=dict)
+    unsupported: dict[str, list[str]] = field(default_factory=dict)  # file -> reasons
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def right(self) -> int:
+        return self.counts["valid_accepted"] + self.counts["invalid_rejected"]
+
+    @property
+    def invalid_accepted(self) -> int:
+        return self.counts["invalid_accepted"]
+
+
+def serialize(value: Any, schema: Any, root: dict[str, Any], path: tuple[Any, ...] = ()) -> str:
+    if isinstance(value, dict):
+        sub = _resolve(root, path) if isinstance(root, dict) else None
+        order = list((sub or {}).get("properties", {})) if isinstance(sub, dict) else []
+        keys = sorted(value, key=lambda k: order.index(k) if k in order else len(order))
+        items = [json.dumps(k, ensure_ascii=False) + ": " + serialize(value[k], schema, root, path + (k,)) for k in keys]
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(serialize(v, schema, root, path + (i,)) for i, v in enumerate(value)) + "]"
+    return json.dumps(value, ensure_ascii=False)
+
+
+def score_suite(files: list[Path], service: GrammarService, tokenizer: Any, stop_token_id: int) -> SuiteScore:
+    score = SuiteScore()
+    for path in files:
+        counts: Counter[str] = Counter()
+        for case in json.loads(path.read_text()):
+            schema = case["schema"]
+            try:
+                spec = schema_spec(schema)
+                grammar = service.compile(spec)
+                validators = SchemaValidators(spec.schema())
+            except (InvalidConstraintError, RuntimeError, ValueError) as e:
+                score.unsupported.setdefault(path.name, []).append(f"{case['description']}: {e}")
+                for t in case["tests"]:
+                    counts["valid_rejected" if t["valid"] else "invalid_rejected"] += 1
+                continue
+            for t in case["tests"]:
+                text = serialize(t["data"], schema, schema if isinstance(schema, dict) else {})
+                matcher = grammar.matcher()
+                ids = tokenizer.encode(text, add_special_tokens=False)
+                accepted = all(matcher.accept(i) for i in ids) and matcher.accept(stop_token_id)
+                if accepted:
+                    accepted = Validation(schema=validators).feed(text, final=True) is None
+                counts[("valid_" if t["valid"] else "invalid_") + ("accepted" if accepted else "rejected")] += 1
+        score.per_file[path.name] = counts
+        score.counts.update(counts)
+    return score

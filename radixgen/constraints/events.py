@@ -1,0 +1,281 @@
+"""Token-stream events for JSON outputs, and the validators that subscribe to them.
+
+``JsonScanner`` follows the generated text character by character and reports each value as it
+completes: its JSON path, where it started in the text and its parsed value. ``Validation``
+runs the validators of a request on those events; a rejection names the value's start, so the
+engine can roll the request back there, ban the first token it chose and resample.
+
+Validators come from the schema (each completed value is checked against the subschema its
+path resolves to, with semantic formats; the whole object against the whole schema), from a
+pydantic model (``model_validate`` on the whole object) and from the caller
+(``validators={"$.price": fn}``; ``[*]`` matches any array index).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Path = tuple[str | int, ...]
+Validator = Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class CompletedValue:
+    path: Path
+    start: int  # character offset of the value's first character in the output text
+    end: int
+    value: Any
+
+
+@dataclass(frozen=True)
+class Rejection:
+    path: Path
+    start: int
+    reason: str
+    is_string: bool = False
+
+
+def format_path(path: Path) -> str:
+    return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+
+
+class JsonScanner:
+    """Incremental JSON scanner over a text that grows (generated output, whitespace-tolerant)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        # container frames: [kind ("{" or "["), start offset, key or index, expecting ("key"|"value"|"sep")]
+        self._stack: list[list[Any]] = []
+        self._scalar_start: int | None = None
+        self._in_string = False
+        self._escape = False
+        self._string_is_key = False
+        self._key_start = 0
+        self._done = False
+
+    def feed(self, chunk: str) -> list[CompletedValue]:
+        out: list[CompletedValue] = []
+        for ch in chunk:
+            pos = len(self.text)
+            self.text += ch
+            self._step(ch, pos, out)
+        return out
+
+    def finish(self) -> list[CompletedValue]:
+        """End of output: a bare root number/literal completes here."""
+        out: list[CompletedValue] = []
+        if self._scalar_start is not None and not self._in_string:
+            self._complete_scalar(len(self.text), out)
+        return out
+
+    def _path(self) -> Path:
+        return tuple(frame[2] for frame in self._stack)
+
+    def _step(self, ch: str, pos: int, out: list[CompletedValue]) -> None:
+        if self._in_string:
+            if self._escape:
+                self._escape = False
+            elif ch == "\\":
+                self._escape = True
+            elif ch == '"':
+                self._in_string = False
+                if self._string_is_key:
+                    frame = self._stack[-1]
+                    frame[2] = json.loads(self.text[self._key_start : pos + 1])
+                    frame[3] = "colon"
+                else:
+                    self._complete_scalar(pos + 1, out)
+            return
+        if self._scalar_start is not None:
+            if ch in ",}] \t\r\n":
+                self._complete_scalar(pos, out)
+            else:
+                return
+        if ch in " \t\r\n":
+            return
+        frame = self._stack[-1] if self._stack else None
+        if frame is not None and frame[0] == "{" and frame[3] == "key":
+            if ch == '"':
+                self._in_string, self._string_is_key, self._key_start = True, True, pos
+            elif ch == "}":
+                self._close(pos, out)
+            return
+        if frame is not None and frame[3] == "colon":
+            if ch == ":":
+                frame[3] = "value"
+            return
+        if frame is not None and frame[3] == "sep":
+            if ch == ",":
+                if frame[0] == "{":
+                    frame[3] = "key"
+                else:
+                    frame[2] += 1
+                    frame[3] = "value"
+            elif ch in "}]":
+                self._close(pos, out)
+            return
+        # a value starts here
+        if frame is not None and frame[0] == "[" and ch == "]":
+            self._close(pos, out)
+            return
+        if ch == "{":
+            self._stack.append(["{", pos, None, "key"])
+        elif ch == "[":
+            self._stack.append(["[", pos, 0, "value"])
+        elif ch == '"':
+            self._in_string, self._string_is_key, self._scalar_start = True, False, pos
+        else:
+            self._scalar_start = pos
+
+    def _complete_scalar(self, end: int, out: list[CompletedValue]) -> None:
+        start = self._scalar_start
+        assert start is not None
+        self._scalar_start = None
+        try:
+            value = json.loads(self.text[start:end])
+        except json.JSONDecodeError:
+            return  # not valid JSON (the automaton should have prevented it): nothing to report
+        out.append(CompletedValue(self._path(), start, end, value))
+        self._after_value()
+
+    def _close(self, pos: int, out: list[CompletedValue]) -> None:
+        frame = self._stack.pop()
+        try:
+            value = json.loads(self.text[frame[1] : pos + 1])
+        except json.JSONDecodeError:
+            value = None
+        out.append(CompletedValue(self._path(), frame[1], pos + 1, value))
+        self._after_value()
+
+    def _after_value(self) -> None:
+        if self._stack:
+            self._stack[-1][3] = "sep"
+        else:
+            self._done = True
+
+
+class SchemaValidators:
+    """Per-path subschema checks derived from a JSON schema (shared by requests; immutable)."""
+
+    def __init__(self, schema: dict[str, Any]) -> None:
+        from jsonschema import Draft202012Validator
+
+        self.root = schema
+        self._validator_cls = Draft202012Validator
+        self._root_validator = Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
+        self._cache: dict[Path, Any] = {}
+
+    def check(self, path: Path, value: Any) -> str | None:
+        """Why ``value`` at ``path`` is invalid, or None."""
+        validator = self._root_validator if not path else self._for_path(path)
+        if validator is None:
+            return None
+        try:
+            error = next(iter(validator.iter_errors(value)), None)
+        except Exception:  # noqa: BLE001 - e.g. a $ref we cannot resolve offline: cannot judge here
+            return None
+        return None if error is None else f"{format_path(path + tuple(error.absolute_path))}: {error.message}"
+
+    def _for_path(self, path: Path) -> Any:
+        key = tuple("*" if isinstance(p, int) else p for p in path)
+        if key in self._cache:
+            return self._cache[key]
+        sub = _resolve(self.root, path)
+        validator = None
+        if isinstance(sub, dict) and sub:
+            # the root's definitions stay reachable for $ref inside the subschema
+            with_defs = {**{k: v for k, v in self.root.items() if k in ("$defs", "definitions")}, **sub}
+            validator = self._validator_cls(with_defs, format_checker=self._validator_cls.FORMAT_CHECKER)
+        self._cache[key] = validator
+        return validator
+
+
+def _deref(root: dict[str, Any], node: Any) -> Any:
+    for _ in range(32):  # bounded: a $ref cycle must not hang
+        if not (isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"].startswith("#/")):
+            return node
+        target: Any = root
+        for part in node["$ref"][2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                return None
+            target = target[part]
+        node = target
+    return None
+
+
+def _resolve(root: dict[str, Any], path: Path) -> Any:
+    """The subschema a value at ``path`` must satisfy, when the path alone determines it (None when
+    it depends on combinators like anyOf; the whole-object check still covers those)."""
+    node: Any = _deref(root, root)
+    for part in path:
+        if not isinstance(node, dict) or any(k in node for k in ("anyOf", "oneOf", "allOf", "if", "not", "$dynamicRef")):
+            return None
+        if isinstance(part, int):
+            prefix = node.get("prefixItems")
+            if isinstance(prefix, list) and part < len(prefix):
+                node = prefix[part]
+            else:
+                node = node.get("items")
+        else:
+            props = node.get("properties") or {}
+            node = props.get(part) if part in props else node.get("additionalProperties")
+        node = _deref(root, node)
+        if node is None or node is True:
+            return None
+    return node
+
+
+def _path_matches(pattern: str, path: Path) -> bool:
+    regex = "^" + re.escape(pattern).replace(r"\[\*\]", r"\[\d+\]") + "$"
+    return re.match(regex, format_path(path)) is not None
+
+
+class Validation:
+    """One request's validators over its JSON output."""
+
+    def __init__(
+        self, *, schema: SchemaValidators | None = None, model: Any = None,
+        user: dict[str, Validator] | None = None,
+    ) -> None:
+        self.schema, self.model, self.user = schema, model, dict(user or {})
+        self.scanner = JsonScanner()
+
+    def reset(self, text: str) -> None:
+        """Re-scan from scratch (after a rollback) without running validators."""
+        self.scanner = JsonScanner()
+        self.scanner.feed(text)
+
+    def feed(self, text: str, *, final: bool = False) -> Rejection | None:
+        done = self.scanner.feed(text)
+        if final:
+            done += self.scanner.finish()
+        for value in done:
+            reason = self._check(value)
+            if reason is not None:
+                return Rejection(value.path, value.start, reason, isinstance(value.value, str))
+        return None
+
+    def _check(self, value: CompletedValue) -> str | None:
+        if self.schema is not None:
+            reason = self.schema.check(value.path, value.value)
+            if reason is not None:
+                return reason
+        if not value.path and self.model is not None:
+            try:
+                self.model.model_validate(value.value)
+            except Exception as e:  # noqa: BLE001 - pydantic's ValidationError and friends
+                return f"$: {e}"
+        for pattern, fn in self.user.items():
+            if _path_matches(pattern, value.path):
+                try:
+                    ok = fn(value.value)
+                except (ValueError, TypeError, AssertionError) as e:
+                    return f"{format_path(value.path)}: {e}"
+                if ok is False:
+                    return f"{format_path(value.path)}: rejected by the validator for {pattern}"
+        return None

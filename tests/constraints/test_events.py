@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixgen.constraints.events import JsonScanner, SchemaValidators, Validation, format_path
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False, width=32)
+    | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=5), children, max_size=4),
+    max_leaves=20,
+)
+
+
+def _expected(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], Any]]:
+    out: list[tuple[tuple[Any, ...], Any]] = []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out += _expected(v, path + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            out += _expected(v, path + (i,))
+    return out + [(path, value)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(json_values, st.integers(0, 2**32), st.sampled_from([(", ", ": "), (",", ":")]))
+def test_scanner_reports_every_value_with_its_path_in_any_chunking(value: Any, seed: int, seps: tuple[str, str]) -> None:
+    text = json.dumps(value, separators=seps, ensure_ascii=False)
+    rng = random.Random(seed)
+    scanner = JsonScanner()
+    events = []
+    i = 0
+    while i < len(text):
+        n = rng.randint(1, 6)
+        events += scanner.feed(text[i : i + n])
+        i += n
+    events += scanner.finish()
+    assert [(e.path, e.value) for e in events] == _expected(value)
+    assert all(json.loads(text[e.start : e.end]) == e.value for e in events)
+
+
+def test_schema_validators_follow_refs_items_and_additional_properties() -> None:
+    schema = {
+        "$defs": {"price": {"type": "number", "minimum": 0, "maximum": 100}},
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {"type": "object", "properties": {"price": {"$ref": "#/$defs/price"}}}},
+                       "pair": {"prefixItems": [{"type": "integer"}, {"enum": ["a", "b"]}]},
+                       "when": {"type": "string", "format": "date"}},
+        "additionalProperties": {"type": "string", "maxLength": 3},
+    }
+    v = SchemaValidators(schema)
+    assert v.check(("items", 3, "price"), 5) is None
+    reason = v.check(("items", 3, "price"), 150)
+    assert reason is not None and reason.startswith("$.items[3].price") and "maximum" in reason
+    assert v.check(("pair", 1), "c") is not None and v.check(("pair", 1), "a") is None
+    assert v.check(("extra",), "long") is not None
+    assert v.check(("when",), "2024-02-30") is not None, "formats are checked semantically"
+    assert v.check(("when",), "2024-02-28") is None
+
+
+def test_validation_reports_the_first_rejected_value_and_its_start() -> None:
+    text = '{"order": "A-1", "lines": [{"qty": 2}, {"qty": -1}], "total": 3}'
+    validation = Validation(user={"$.lines[*].qty": lambda q: q > 0})
+    rejection = None
+    for ch in text:
+        rejection = rejection or validation.feed(ch)
+    assert rejection is not None
+    assert format_path(rejection.path) == "$.lines[1].qty"
+    assert text[rejection.start :].startswith("-1")
+    raising = Validation(user={"$.order": lambda o: (_ for _ in ()).throw(ValueError("bad order id"))})
+    r = raising.feed(text)
+    assert r is not None and "bad order id" in r.reason and r.is_string

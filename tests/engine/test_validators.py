@@ -1,0 +1,47 @@
+"""Validators in the decode loop: a rejected value is rolled back and resampled."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import jsonschema
+
+from radixgen import Engine, FinishReason, SamplingParams
+
+SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "eel", "fox"]}, "legs": {"enum": [0, 2, 4]}},
+          "required": ["kind", "legs"], "additionalProperties": False}
+
+
+def test_user_validator_rejection_resamples_a_valid_value(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine()
+    params = dict(max_new_tokens=60, temperature=0, json_schema=SCHEMA)
+    first = json.loads(engine.generate("Animal:", SamplingParams(**params)).text)
+    out = engine.generate("Animal:", SamplingParams(**params, validators={"$.kind": lambda k: k != first["kind"]}))
+    assert out.finish_reason is FinishReason.STOP, out
+    value = json.loads(out.text)
+    jsonschema.validate(value, SCHEMA)
+    assert value["kind"] != first["kind"]
+    assert engine.scheduler.stats.num_rollbacks >= 1
+
+
+def test_schema_keywords_the_automaton_skips_are_enforced(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine()
+    loose = {"type": "object", "properties": {"legs": {"enum": [0, 2, 4, 6, 8]}}, "required": ["legs"],
+             "additionalProperties": False}
+    first = json.loads(engine.generate("Legs:", SamplingParams(max_new_tokens=30, temperature=0, json_schema=loose)).text)
+    # "not" is enforced by the validator layer (rollback and resample), not by the grammar
+    strict = {**loose, "properties": {"legs": {"enum": [0, 2, 4, 6, 8], "not": {"const": first["legs"]}}}}
+    out = engine.generate("Legs:", SamplingParams(max_new_tokens=30, temperature=0, json_schema=strict))
+    assert out.finish_reason is FinishReason.STOP
+    jsonschema.validate(json.loads(out.text), strict)
+    assert engine.scheduler.stats.num_rollbacks >= 1, "the greedy value was rejected and resampled"
+
+
+def test_retries_exhausted_gives_constraint_violation(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine()
+    out = engine.generate("Animal:", SamplingParams(max_new_tokens=60, temperature=0, json_schema=SCHEMA,
+                                                    validators={"$.legs": lambda n: False}, max_validation_retries=2))
+    assert out.finish_reason is FinishReason.CONSTRAINT_VIOLATION
+    assert out.error is not None and "$.legs" in out.error
+    assert engine.scheduler.stats.num_rollbacks == 2, "two retries, then the request ends"
