@@ -45,6 +45,8 @@ class EngineConfig:
     grammar_backend: str = "auto"
     """Constraint compiler: auto (fastest installed with full coverage) or xgrammar."""
     grammar_compile_timeout_s: float = 30.0
+    jump_forward: bool = True
+    """Append text a constraint forces without a decode step per token (computed in one extend)."""
     event_log: str | None = None
     """Path of a JSON-lines log with one record per scheduler step (off when None)."""
 

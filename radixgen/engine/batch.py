@@ -33,6 +33,9 @@ class StepPlan:
     out_cache_loc: np.ndarray  # [T] slots receiving the new tokens' K/V
     sample_mask: np.ndarray | None = None
     """[B] bool: requests whose next token is sampled this step (False for a non-final chunk)."""
+    verify_counts: np.ndarray | None = None
+    """[B] prefill only: how many forced tokens at the end of each request's extend need the
+    logits of the positions before them (jump-forward verification)."""
     batch_version: int | None = None
     """Decode only: equal versions mean the same requests in the same order as before."""
 

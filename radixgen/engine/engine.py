@@ -22,7 +22,13 @@ from typing import Any
 import torch
 
 from radixgen.config import EngineConfig
-from radixgen.constraints import Grammar, GrammarService, allocate_bitmask, make_backend
+from radixgen.constraints import (
+    Grammar,
+    GrammarService,
+    allocate_bitmask,
+    apply_bitmask,
+    make_backend,
+)
 from radixgen.constraints.events import SchemaValidators, Validation
 from radixgen.constraints.mask import ALL_ALLOWED, ban_tokens
 from radixgen.engine.batch import StepKind, StepPlan
@@ -363,6 +369,36 @@ class Engine:
             return None
         return Validation(schema=schema, model=model, user=params.validators)
 
+    def _verify_forced(self, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
+        """Check jump-forward's forced tokens against the model's greedy choice under the mask,
+        position by position; at the first difference, keep the model's token instead (the
+        scheduler drops the rest). Returns the logits of the last positions only."""
+        assert plan.verify_counts is not None
+        batch = plan.batch_size
+        extra = logits[batch:]
+        row = 0
+        mask = self._bitmask[:1]
+        for i, m in enumerate(plan.verify_counts.tolist()):
+            if not m:
+                continue
+            req = plan.requests[i]
+            matcher = req.matcher
+            assert matcher is not None
+            forced = req.output_ids[len(req.output_ids) - m :]
+            matcher.rollback(m)
+            for j, tok in enumerate(forced):
+                mask.fill(ALL_ALLOWED)
+                matcher.fill_bitmask(mask, 0)
+                scores = extra[row + j : row + j + 1].clone()
+                apply_bitmask(scores, torch.from_numpy(mask).to(scores.device))
+                choice = int(scores.argmax())
+                if choice != tok:
+                    req.forced_mismatch = (len(req.output_ids) - m + j, choice)
+                    break
+                matcher.accept(tok)
+            row += m
+        return logits[:batch]
+
     def _constraint_bitmask(self, plan: StepPlan) -> torch.Tensor | None:
         """Allowed-token bitmask rows for this step's constrained requests (None if there are none)."""
         rows = [i for i, r in enumerate(plan.requests)
@@ -410,6 +446,8 @@ class Engine:
                         self.sampler.penalties.reset_row(req.pool_row, req.prompt_ids, req.output_ids)
             with torch.inference_mode():  # logits are inference tensors; sampling edits them in place
                 logits = self.runner.forward(plan)
+                if plan.verify_counts is not None:
+                    logits = self._verify_forced(plan, logits)
                 result = self.sampler(logits, self._sampling_batches.get(plan), self._constraint_bitmask(plan))
         except Exception as e:  # an internal fault fails this step's requests, not the engine
             logger.exception("step failed")

@@ -56,11 +56,15 @@ class ModelRunner:
         return cls(loaded.model, pool, torch.device(config.device)), loaded
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
-        """float32 logits [B, vocab] at the last new token of every request in the plan."""
+        """float32 logits [B + sum(verify_counts), vocab]: the last new token of every request,
+        then, per request with forced tokens to verify, the positions just before each of them."""
         device = self.device
         attn = build_attention_plan(plan, self.pool.req_to_token, device, self.pool.k.dtype)
         input_ids = torch.from_numpy(plan.input_ids).to(device)
         positions = torch.from_numpy(plan.positions).to(device)
         last = np.cumsum(plan.extend_lens) - 1
+        if plan.verify_counts is not None and plan.verify_counts.any():
+            extra = [np.arange(end - m - 1, end - 1) for end, m in zip(last + 1, plan.verify_counts, strict=True) if m]
+            last = np.concatenate([last, *extra])
         logits_index = torch.from_numpy(last).to(device)
         return self.model(input_ids, positions, attn, self.pool.k, self.pool.v, logits_index)

@@ -11,8 +11,10 @@ from radixgen.engine.sampler import SampleResult
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...], max_context_len: int) -> None:
+    def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...], max_context_len: int,
+                 jump_forward: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.jump_forward = jump_forward
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context_len = max_context_len
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -27,9 +29,9 @@ class OutputProcessor:
         del self.detokenizers[req.request_id]
 
     def append_token(self, req: Request, token: int, result: SampleResult, row: int) -> FinishReason | None:
-        """Record a sampled token; return why the request ends now, or None to go on."""
+        """Record a sampled token (and, with jump-forward, the tokens the constraint forces after
+        it); return why the request ends now, or None to go on."""
         params = req.params
-        req.output_ids.append(token)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         if result.logprobs is not None and params.logprobs:
@@ -39,13 +41,62 @@ class OutputProcessor:
             req.output_top_logprobs.append(
                 list(zip(result.top_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist(), strict=True))
             )
+        tokens = [token]
         matcher = req.matcher
         if matcher is not None:
             if not matcher.accept(token):
+                req.output_ids.append(token)
                 req.error = f"internal error: the constraint rejected token {token} that its mask allowed"
                 return FinishReason.ERROR
             if matcher.is_terminated():
+                req.output_ids.append(token)
                 return FinishReason.STOP  # the automaton accepted its stop token: output complete
+            if self.jump_forward:
+                tokens = self._jump_forward(req, token)
+        for i, t in enumerate(tokens):
+            if i > 0:  # forced by the constraint: probability 1 under it
+                if params.logprobs:
+                    req.output_logprobs.append(0.0)
+                if params.top_logprobs:
+                    req.output_top_logprobs.append([(t, 0.0)])
+            reason = self._append_one(req, t)
+            if reason is not None or req.pending_rollback is not None:
+                if matcher is not None and i + 1 < len(tokens):
+                    matcher.rollback(len(tokens) - 1 - i)  # forced tokens never appended
+                req.forced_pending = 0
+                return reason
+        if len(tokens) > 1:
+            req.pending_extend = True
+            req.jumped_tokens += len(tokens) - 1
+        return None
+
+    def _jump_forward(self, req: Request, token: int) -> list[int]:
+        """The sampled token plus the tokens of the text the automaton forces next, appended
+        without a decode step each (they are computed together in one extend step). The last
+        token of the forced text is left for the model (it may merge with what follows:
+        '"' + 'John' -> '"John'). Greedy requests have the forced tokens verified against the
+        model's own choices in that extend step, so their output is the one without jump-forward.
+        Returns [token] when fewer than two tokens would be gained."""
+        matcher = req.matcher
+        assert matcher is not None
+        forced = matcher.forced_string()
+        if not forced or self.tokenizer is None:
+            return [token]
+        room = req.params.max_new_tokens - len(req.output_ids) - 1
+        ids = list(self.tokenizer.encode(forced, add_special_tokens=False))[:-1][:room]
+        if len(ids) < 2:
+            return [token]
+        for n, t in enumerate(ids):
+            if not matcher.accept(t):
+                matcher.rollback(n)
+                return [token]
+        if req.params.is_greedy:
+            req.forced_pending = len(ids)
+        return [token, *ids]
+
+    def _append_one(self, req: Request, token: int) -> FinishReason | None:
+        params = req.params
+        req.output_ids.append(token)
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return FinishReason.STOP  # the stop token's text is not part of the output
         detok = self.detokenizers[req.request_id]

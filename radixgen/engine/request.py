@@ -213,6 +213,13 @@ class Request:
     """Output text length after each output token (maps a rejected value's start to a token)."""
     bans: dict[int, set[int]] = field(default_factory=dict)
     """Output position -> tokens a validator rejected there (masked out when resampling)."""
+    pending_extend: bool = False
+    """Jump-forward appended forced tokens: compute them in the next prefill (extend) step."""
+    jumped_tokens: int = 0
+    forced_pending: int = 0
+    """Forced tokens at the end of the output not yet checked against the model's greedy choice."""
+    forced_mismatch: tuple[int, int] | None = None
+    """(forced tokens to keep, the model's token instead of the next one) found by verification."""
     pending_rollback: tuple[int, int, str] | None = None
     """(output tokens to keep, position whose token to ban, why) set by a validator rejection."""
     num_rollbacks: int = 0

@@ -56,7 +56,7 @@ class Scheduler:
         self.chunked: Request | None = None
         """The request whose prompt is part-way through chunked prefill (holds KV, not running)."""
         self.requests: dict[str, Request] = {}
-        self.outputs = OutputProcessor(tokenizer, eos_token_ids, pool.max_context_len)
+        self.outputs = OutputProcessor(tokenizer, eos_token_ids, pool.max_context_len, jump_forward=config.jump_forward)
         self.stats = SchedulerStats(event_log=config.event_log)
         self._decode_turn = False
         self._step = StepRecord()
@@ -225,10 +225,13 @@ class Scheduler:
         rows = np.array([r.pool_row for r in reqs], dtype=np.int64)
         out_cache_loc = self.pool.req_to_token_host[np.repeat(rows, extend_lens), positions]
         self._step.new_tokens = int(extend_lens.sum())
+        # forced tokens are verified only when the whole run is in this step's extend
+        verify = np.array([r.forced_pending if last and r.forced_pending < n else 0
+                           for r, n, last in zip(reqs, extends, is_last, strict=True)], dtype=np.int64)
         return StepPlan(
             kind=StepKind.PREFILL, requests=reqs, rows=rows, prefix_lens=prefix_lens, extend_lens=extend_lens,
             input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
-            sample_mask=np.array(is_last, dtype=bool),
+            sample_mask=np.array(is_last, dtype=bool), verify_counts=verify if verify.any() else None,
         )
 
     def _schedule_decode(self) -> StepPlan | None:
@@ -322,6 +325,11 @@ class Scheduler:
         token_ids = result.token_ids.tolist()
         for i, req in enumerate(plan.requests):
             req.num_computed += int(plan.extend_lens[i])
+            req.forced_pending = 0
+            mismatch, req.forced_mismatch = req.forced_mismatch, None
+            if mismatch is not None:  # the model would not have produced the forced tokens from here
+                keep, token_ids[i] = mismatch
+                self._drop_forced_tail(req, keep)
             if plan.kind is StepKind.PREFILL and self.use_cache:
                 self._cache_computed_prefix(req)
             if plan.sample_mask is not None and not plan.sample_mask[i]:
@@ -337,6 +345,9 @@ class Scheduler:
                 if out is not None:
                     outputs.append(out)
                 continue
+            if reason is None and req.pending_extend:
+                self._requeue_for_extend(req)
+                continue
             if reason is None:
                 out = self.outputs.emit(req, final=False, has_new_token=True)
                 if out is not None:
@@ -350,6 +361,28 @@ class Scheduler:
         self.stats.record(self._step, queue_depth=len(self.waiting), running=len(self.running),
                           kv_used=self.pool.used(), cached=self.tree.cached_tokens())
         return outputs
+
+    def _drop_forced_tail(self, req: Request, keep: int) -> None:
+        """Forget the forced tokens from output index ``keep`` on (their KV included); the
+        model's own token for that index is appended next, as if sampled in this step."""
+        removed = len(req.output_ids) - keep
+        valid = req.num_computed - removed  # KV of positions before the first dropped token
+        self.pool.slots.free(self.pool.row_slots(req.pool_row, req.num_computed)[max(valid, req.prefix_len):].copy())
+        req.num_computed = max(valid, req.prefix_len)
+        del req.output_ids[keep:]
+        del req.output_logprobs[keep:]
+        del req.output_top_logprobs[keep:]
+        self.outputs.rewind(req, keep)
+
+    def _requeue_for_extend(self, req: Request) -> None:
+        """Jump-forward added several tokens at once: their KV is computed by one prefill (extend)
+        on top of the cached sequence instead of one decode step each."""
+        req.pending_extend = False
+        self._remove_running(req)
+        self._release_kv(req, cache=True)
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self._step.jump_forwards += 1
 
     def _rollback(self, req: Request) -> RequestOutput | None:
         """A validator rejected a value: take the output back to the value's first token, ban that

@@ -18,6 +18,7 @@ class StepRecord:
     evicted_tokens: int = 0
     retracted: int = 0
     rollbacks: int = 0
+    jump_forwards: int = 0
     schedule_s: float = 0.0
     forward_s: float = 0.0
 
@@ -36,6 +37,7 @@ class SchedulerStats:
         self.evicted_tokens = 0
         self.num_retractions = 0
         self.num_rollbacks = 0
+        self.num_jump_forwards = 0
         self.schedule_time_s = 0.0
         self.forward_time_s = 0.0
         self.queue_depth = 0
@@ -69,6 +71,7 @@ class SchedulerStats:
         self.evicted_tokens += step.evicted_tokens
         self.num_retractions += step.retracted
         self.num_rollbacks += step.rollbacks
+        self.num_jump_forwards += step.jump_forwards
         self.schedule_time_s += step.schedule_s
         self.forward_time_s += step.forward_s
         self.queue_depth, self.running, self.kv_used, self.cached_tokens = queue_depth, running, kv_used, cached
@@ -79,7 +82,7 @@ class SchedulerStats:
 
     def snapshot(self) -> dict[str, float]:
         keys = ("num_steps", "num_prefill_steps", "num_decode_steps", "prompt_tokens", "cached_prompt_tokens",
-                "computed_tokens", "generated_tokens", "evicted_tokens", "num_retractions", "num_rollbacks", "schedule_time_s",
+                "computed_tokens", "generated_tokens", "evicted_tokens", "num_retractions", "num_rollbacks", "num_jump_forwards", "schedule_time_s",
                 "forward_time_s", "queue_depth", "running", "kv_used", "cached_tokens")
         out: dict[str, float] = {k: getattr(self, k) for k in keys}
         out |= {"cache_hit_rate": self.cache_hit_rate, "avg_batch_size": self.avg_batch_size,
