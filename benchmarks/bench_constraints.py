@@ -115,38 +115,41 @@ def batch_mask_cost(tokenizer: Any, service: GrammarService, batch: int = 64) ->
 
 
 def end_to_end(batch_sizes: list[int], dtype: str) -> list[dict[str, Any]]:
+    """Seconds per JSON object: constrained with and without jump-forward, and unconstrained
+    generation of the same number of tokens (EOS ignored)."""
+    import jsonschema
+
     from radixgen import Engine, EngineConfig, SamplingParams
 
-    engine = Engine(EngineConfig(dtype=dtype))  # type: ignore[arg-type]
     rows = []
-    for batch in batch_sizes:
-        specs = [API[i % len(API)] for i in range(batch)]
-        prompts = [engine.apply_chat_template([{"role": "user", "content": f"Fill in a {s['name'].replace('_', ' ')} as JSON."}])
-                   for s in specs]
-        engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))
-        start = time.perf_counter()
-        outs = engine.generate(prompts, [SamplingParams(max_new_tokens=200, temperature=0, json_schema=s["schema"]) for s in specs])
-        constrained_s = time.perf_counter() - start
-        valid = 0
-        for o, s in zip(outs, specs, strict=True):
-            try:
-                import jsonschema
-
-                jsonschema.validate(json.loads(o.text), s["schema"])
-                valid += 1
-            except Exception:  # noqa: BLE001
-                pass
-        lengths = [o.completion_tokens for o in outs]
-        start = time.perf_counter()
-        engine.generate(prompts, [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in lengths])
-        free_s = time.perf_counter() - start
-        tokens = sum(lengths)
-        reasons = sorted({o.finish_reason.value for o in outs})
-        rows.append({"batch": batch, "valid": f"{valid}/{batch}", "finish": ",".join(reasons), "tokens": tokens,
-                     "constrained_s_per_object": constrained_s / batch, "free_s_per_object": free_s / batch,
-                     "constrained_tok_s": tokens / constrained_s, "free_tok_s": tokens / free_s,
-                     "overhead_pct": (constrained_s / free_s - 1) * 100})
-    engine.shutdown()
+    for jump in (False, True):
+        engine = Engine(EngineConfig(dtype=dtype, jump_forward=jump))  # type: ignore[arg-type]
+        for batch in batch_sizes:
+            specs = [API[i % len(API)] for i in range(batch)]
+            prompts = [engine.apply_chat_template([{"role": "user", "content": f"Fill in a {s['name'].replace('_', ' ')} as JSON."}])
+                       for s in specs]
+            engine.generate(prompts, SamplingParams(max_new_tokens=1))  # prompts cached for both runs alike
+            steps = engine.scheduler.stats.num_decode_steps
+            start = time.perf_counter()
+            outs = engine.generate(prompts, [SamplingParams(max_new_tokens=200, temperature=0, json_schema=s["schema"])
+                                             for s in specs])
+            constrained_s = time.perf_counter() - start
+            decode_steps = engine.scheduler.stats.num_decode_steps - steps
+            valid = 0
+            for o, s in zip(outs, specs, strict=True):
+                try:
+                    jsonschema.validate(json.loads(o.text), s["schema"])
+                    valid += 1
+                except Exception:  # noqa: BLE001
+                    pass
+            lengths = [o.completion_tokens for o in outs]
+            start = time.perf_counter()
+            engine.generate(prompts, [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in lengths])
+            free_s = time.perf_counter() - start
+            rows.append({"jump_forward": jump, "batch": batch, "valid": f"{valid}/{batch}", "tokens": sum(lengths),
+                         "decode_steps": decode_steps, "constrained_s_per_object": constrained_s / batch,
+                         "free_s_per_object": free_s / batch, "ratio_to_free": constrained_s / free_s})
+        engine.shutdown()
     return rows
 
 

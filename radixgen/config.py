@@ -47,6 +47,10 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 30.0
     jump_forward: bool = True
     """Append text a constraint forces without a decode step per token (computed in one extend)."""
+    jump_forward_max_batch: int = 4
+    """Jump forward only while at most this many requests decode: a larger batch already shares
+    each step, and the extra extend step would cost more than the steps it saves (measured:
+    batch 32, 0.60 s per object with it against 0.41 s without)."""
     event_log: str | None = None
     """Path of a JSON-lines log with one record per scheduler step (off when None)."""
 

@@ -28,7 +28,9 @@ class OutputProcessor:
     def remove(self, req: Request) -> None:
         del self.detokenizers[req.request_id]
 
-    def append_token(self, req: Request, token: int, result: SampleResult, row: int) -> FinishReason | None:
+    def append_token(
+        self, req: Request, token: int, result: SampleResult, row: int, *, allow_jump: bool = True
+    ) -> FinishReason | None:
         """Record a sampled token (and, with jump-forward, the tokens the constraint forces after
         it); return why the request ends now, or None to go on."""
         params = req.params
@@ -51,7 +53,7 @@ class OutputProcessor:
             if matcher.is_terminated():
                 req.output_ids.append(token)
                 return FinishReason.STOP  # the automaton accepted its stop token: output complete
-            if self.jump_forward:
+            if self.jump_forward and allow_jump:
                 tokens = self._jump_forward(req, token)
         for i, t in enumerate(tokens):
             if i > 0:  # forced by the constraint: probability 1 under it

@@ -323,6 +323,7 @@ class Scheduler:
         """Apply a step's sampled tokens; return the outputs handed to callbacks (finals always)."""
         outputs: list[RequestOutput] = []
         token_ids = result.token_ids.tolist()
+        allow_jump = len(self.running) <= self.config.jump_forward_max_batch
         for i, req in enumerate(plan.requests):
             req.num_computed += int(plan.extend_lens[i])
             req.forced_pending = 0
@@ -338,7 +339,7 @@ class Scheduler:
                 req.status = RequestStatus.DECODE
                 self.running.append(req)
                 self.running_version += 1
-            reason = self.outputs.append_token(req, token_ids[i], result, i)
+            reason = self.outputs.append_token(req, token_ids[i], result, i, allow_jump=allow_jump)
             self.stats.generated_tokens += 1
             if req.pending_rollback is not None:
                 out = self._rollback(req)
