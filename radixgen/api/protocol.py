@@ -14,9 +14,9 @@ def _id(prefix: str) -> str:
 
 
 class _Request(BaseModel):
-    # Unknown fields are accepted and ignored, as OpenAI-compatible servers commonly do, so
-    # clients sending newer fields keep working; fields we cannot honour are refused by name.
-    model_config = ConfigDict(extra="allow")
+    # Unknown fields are refused by name (HTTP 400), as OpenAI does: silently ignoring a field
+    # such as logit_bias would return something other than what was asked for.
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(BaseModel):

@@ -91,6 +91,8 @@ def create_app(config: ServerConfig, *, client: EngineClient | None = None) -> F
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         if first.get("type") == "json_invalid":
             return error_response(400, f"the request body is not valid JSON: {first.get('msg', '')}")
+        if first.get("type") == "extra_forbidden":
+            return error_response(400, f"field {where!r} is not supported by this server; remove it", param=where)
         return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid value')}", param=where or None)
 
     @app.exception_handler(Exception)

@@ -121,6 +121,7 @@ def test_logprobs(server: LiveServer) -> None:
         (json.dumps({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
                      "tool_choice": {"type": "function", "function": {"name": "g"}}}), 400, "not in tools"),
         (json.dumps({"messages": CHAT, "n": 0}), 400, "n"),
+        (json.dumps({"messages": CHAT, "logit_bias": {"50": 10}}), 400, "'logit_bias' is not supported"),
     ],
 )
 def test_errors_are_openai_shaped(server: LiveServer, body: str, status: int, needle: str) -> None:
