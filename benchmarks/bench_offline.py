@@ -1,7 +1,9 @@
 """Offline throughput: radixgen's Engine.generate vs transformers' model.generate.
 
 Same model, same prompts, same number of new tokens (EOS ignored), greedy, in one run:
-batch 1/8/32/64 with equal (256-token) and mixed (64-512) prompt lengths, per dtype.
+batch 1/8/32/64 with equal (256-token) and mixed (64-512) prompt lengths, per dtype. Each engine
+runs in its own subprocess (one per engine and dtype), one after the other: two torch runtimes
+in one process slow each other's OpenMP thread teams down, which would bias the comparison.
 
     python benchmarks/bench_offline.py [--dtypes float32,bfloat16] [--batch-sizes 1,8,32,64]
 """
@@ -9,8 +11,9 @@ batch 1/8/32/64 with equal (256-token) and mixed (64-512) prompt lengths, per dt
 from __future__ import annotations
 
 import argparse
-import gc
+import json
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,6 +61,46 @@ def run_transformers(model: Any, pad_id: int, prompts: list[list[int]], new_toke
     return len(prompts) * new_tokens / elapsed
 
 
+def worker(args: argparse.Namespace) -> None:
+    """Run every configuration on one engine and dtype; print one JSON line per result."""
+    from transformers import AutoModelForCausalLM
+
+    cases = [(mode, batch) for mode in args.modes.split(",") for batch in map(int, args.batch_sizes.split(","))]
+    if args.worker == "radixgen":
+        engine = Engine(EngineConfig(dtype=args.dtypes, kv_cache_gb=4.0))  # type: ignore[arg-type]
+        tokenizer = engine.tokenizer
+        warm = prompts_of_lengths(tokenizer, [64, 80], seed=99)
+        run_radixgen(engine, warm, 8)
+        for mode, batch in cases:
+            prompts = prompts_of_lengths(tokenizer, lengths_for(mode, batch, args.seed), seed=args.seed + batch)
+            print(json.dumps({"mode": mode, "batch": batch, "tok_s": run_radixgen(engine, prompts, args.new_tokens)}), flush=True)
+        engine.shutdown()
+        return
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model_dir(None)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtypes)).eval()
+    pad_id = tokenizer.pad_token_id or 0
+    run_transformers(hf, pad_id, prompts_of_lengths(tokenizer, [64, 80], seed=99), 8)
+    for mode, batch in cases:
+        prompts = prompts_of_lengths(tokenizer, lengths_for(mode, batch, args.seed), seed=args.seed + batch)
+        print(json.dumps({"mode": mode, "batch": batch, "tok_s": run_transformers(hf, pad_id, prompts, args.new_tokens)}),
+              flush=True)
+
+
+def run_worker(kind: str, dtype: str, args: argparse.Namespace) -> dict[tuple[str, int], float]:
+    cmd = [sys.executable, __file__, "--worker", kind, "--dtypes", dtype, "--batch-sizes", args.batch_sizes,
+           "--modes", args.modes, "--new-tokens", str(args.new_tokens), "--seed", str(args.seed)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            results[(rec["mode"], rec["batch"])] = rec["tok_s"]
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", default="float32,bfloat16")
@@ -66,35 +109,21 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--worker", choices=["radixgen", "transformers"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-
-    from transformers import AutoModelForCausalLM
-
-    model_dir = resolve_model_dir(None)
+    if args.worker:
+        worker(args)
+        return
     rows: list[dict[str, Any]] = []
     for dtype in args.dtypes.split(","):
-        engine = Engine(EngineConfig(dtype=dtype, kv_cache_gb=4.0))  # type: ignore[arg-type]
-        hf = None
-        if not args.skip_transformers:
-            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-        pad_id = engine.tokenizer.pad_token_id or 0
-        warm = prompts_of_lengths(engine.tokenizer, [64, 80], seed=99)
-        run_radixgen(engine, warm, 8)
-        if hf is not None:
-            run_transformers(hf, pad_id, warm, 8)
-        for mode in args.modes.split(","):
-            for batch in map(int, args.batch_sizes.split(",")):
-                prompts = prompts_of_lengths(engine.tokenizer, lengths_for(mode, batch, args.seed), seed=args.seed + batch)
-                ours = run_radixgen(engine, prompts, args.new_tokens)
-                theirs = run_transformers(hf, pad_id, prompts, args.new_tokens) if hf is not None else None
-                row = {"dtype": dtype, "prompts": mode, "batch": batch, "radixgen_tok_s": ours,
-                       "transformers_tok_s": theirs, "ratio": ours / theirs if theirs else None}
-                rows.append(row)
-                print_table([row], list(row))
-                sys.stdout.flush()
-        engine.shutdown()
-        del engine, hf
-        gc.collect()
+        ours = run_worker("radixgen", dtype, args)
+        theirs = {} if args.skip_transformers else run_worker("transformers", dtype, args)
+        for (mode, batch), tok_s in ours.items():
+            other = theirs.get((mode, batch))
+            rows.append({"dtype": dtype, "prompts": mode, "batch": batch, "radixgen_tok_s": tok_s,
+                         "transformers_tok_s": other, "ratio": tok_s / other if other else None})
+        print_table([r for r in rows if r["dtype"] == dtype], list(rows[0]))
+        sys.stdout.flush()
     print()
     print_table(rows, ["dtype", "prompts", "batch", "radixgen_tok_s", "transformers_tok_s", "ratio"])
     path = write_json("bench_offline", {"new_tokens": args.new_tokens, "rows": rows})
