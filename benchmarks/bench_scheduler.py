@@ -87,14 +87,18 @@ def main() -> None:
     if not args.skip_real:
         from radixgen import Engine
 
+        # the measurement runs on the engine's loop thread (run_on_loop), where the model lives
         engine = Engine(EngineConfig(max_running_requests=256, kv_cache_gb=3.0))
-        engine.shutdown()  # drive its scheduler and runner from this thread
     rows = []
     for running in map(int, args.running.split(",")):
         sched_us = scheduler_step_us(running, args.steps)
-        fwd_ms = real_forward_ms(running, 8, engine) if engine is not None else None
+        fwd_ms = None
+        if engine is not None:
+            fwd_ms = engine.run_on_loop(lambda running=running: real_forward_ms(running, 8, engine), timeout=1800)
         rows.append({"running": running, "scheduler_us_per_step": sched_us, "forward_ms": fwd_ms,
                      "scheduler_share_pct": sched_us / 10 / fwd_ms if fwd_ms else None})
+    if engine is not None:
+        engine.shutdown()
     print_table(rows, ["running", "scheduler_us_per_step", "forward_ms", "scheduler_share_pct"])
     print(f"wrote {write_json('bench_scheduler', {'rows': rows, 'prompt_len': PROMPT_LEN})}")
 

@@ -34,18 +34,16 @@ from radixgen.api.protocol import (
 )
 from radixgen.api.serving import (
     ChoiceResult,
-    ClientGone,
     apply,
     build_params,
     check_model,
     constraint_fields,
-    consume,
     merge_streams,
     observe_latency,
     record,
+    run_jobs,
     sse,
     token_logprobs,
-    until_done_or_gone,
     usage,
 )
 from radixgen.engine.request import SamplingParams
@@ -109,14 +107,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     if req.stream:
         return StreamingResponse(_chat_stream(request, req, tools, jobs, base_id, model, started),
                                  media_type="text/event-stream")
-    results = [ChoiceResult() for _ in jobs]
-    tasks = [asyncio.create_task(consume(client, rid, ids, p, r)) for (rid, ids, p), r in zip(jobs, results, strict=True)]
-    try:
-        await until_done_or_gone(request, tasks)
-    except ClientGone:
-        record(request, "chat", 499, results, started)
-        return JSONResponse({}, status_code=499)
-    record(request, "chat", 200, results, started)
+    results = await run_jobs(request, client, jobs, "chat", started)
+    if results is None:
+        return JSONResponse({}, status_code=499)  # nobody is listening any more
     choices = []
     for i, r in enumerate(results):
         content, calls, reason = tools.finish(r)

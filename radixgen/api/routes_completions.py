@@ -22,17 +22,15 @@ from radixgen.api.protocol import (
 )
 from radixgen.api.serving import (
     ChoiceResult,
-    ClientGone,
     apply,
     build_params,
     check_model,
     constraint_fields,
-    consume,
     merge_streams,
     observe_latency,
     record,
+    run_jobs,
     sse,
-    until_done_or_gone,
 )
 from radixgen.engine.request import RequestOutput, SamplingParams
 from radixgen.errors import InvalidParamsError, PromptTooLongError
@@ -86,14 +84,9 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     if req.stream:
         return StreamingResponse(_completion_stream(request, req, jobs, base_id, model, started),
                                  media_type="text/event-stream")
-    results = [ChoiceResult() for _ in jobs]
-    tasks = [asyncio.create_task(consume(client, rid, ids, p, r)) for (rid, ids, p), r in zip(jobs, results, strict=True)]
-    try:
-        await until_done_or_gone(request, tasks)
-    except ClientGone:
-        record(request, "completions", 499, results, started)
-        return JSONResponse({}, status_code=499)
-    record(request, "completions", 200, results, started)
+    results = await run_jobs(request, client, jobs, "completions", started)
+    if results is None:
+        return JSONResponse({}, status_code=499)  # nobody is listening any more
     choices = []
     for i, ((_, ids, _), r) in enumerate(zip(jobs, results, strict=True)):
         text = (state.tokenizer.decode(ids) + r.text) if req.echo else r.text
@@ -174,13 +167,10 @@ async def generate(req: GenerateRequest, request: Request) -> Any:
                             "meta": _meta(out)})
             yield sse("[DONE]")
         return StreamingResponse(events(), media_type="text/event-stream")
-    result = ChoiceResult()
-    task = asyncio.create_task(consume(client, rid, ids, params, result))
-    try:
-        await until_done_or_gone(request, [task])
-    except ClientGone:
-        return JSONResponse({}, status_code=499)
-    record(request, "generate", 200, [result], started)
+    results = await run_jobs(request, client, [(rid, ids, params)], "generate", started)
+    if results is None:
+        return JSONResponse({}, status_code=499)  # nobody is listening any more
+    result = results[0]
     return {"text": result.text, "token_ids": result.token_ids,
             "meta": {"request_id": rid, "finish_reason": result.finish_reason, "prompt_tokens": len(ids),
                      "completion_tokens": len(result.token_ids), "cached_tokens": result.cached_tokens,

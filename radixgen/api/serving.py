@@ -152,6 +152,23 @@ async def until_done_or_gone(request: Request, tasks: list[asyncio.Task[Any]]) -
     return [t.result() for t in tasks]
 
 
+Job = tuple[str, list[int], SamplingParams]  # (request id, prompt ids, params)
+
+
+async def run_jobs(request: Request, client: EngineClient, jobs: list[Job], endpoint: str,
+                   started: float) -> list[ChoiceResult] | None:
+    """Run non-streaming requests to the end; None when the client went away (all aborted)."""
+    results = [ChoiceResult() for _ in jobs]
+    tasks = [asyncio.create_task(consume(client, rid, ids, p, r)) for (rid, ids, p), r in zip(jobs, results, strict=True)]
+    try:
+        await until_done_or_gone(request, tasks)
+    except ClientGone:
+        record(request, endpoint, 499, results, started)
+        return None
+    record(request, endpoint, 200, results, started)
+    return results
+
+
 def token_logprobs(tokenizer: Any, result: ChoiceResult, with_top: bool) -> ChoiceLogprobs:
     content = []
     for i, (tok, lp) in enumerate(zip(result.token_ids, result.logprobs, strict=False)):
