@@ -43,18 +43,17 @@ class OutputProcessor:
             req.output_top_logprobs.append(
                 list(zip(result.top_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist(), strict=True))
             )
-        tokens = [token]
         matcher = req.matcher
-        if matcher is not None:
-            if not matcher.accept(token):
-                req.output_ids.append(token)
-                req.error = f"internal error: the constraint rejected token {token} that its mask allowed"
-                return FinishReason.ERROR
-            if matcher.is_terminated():
-                req.output_ids.append(token)
-                return FinishReason.STOP  # the automaton accepted its stop token: output complete
-            if self.jump_forward and allow_jump:
-                tokens = self._jump_forward(req, token)
+        if matcher is None:  # the common, unconstrained case
+            return self._append_one(req, token)
+        if not matcher.accept(token):
+            req.output_ids.append(token)
+            req.error = f"internal error: the constraint rejected token {token} that its mask allowed"
+            return FinishReason.ERROR
+        if matcher.is_terminated():
+            req.output_ids.append(token)
+            return FinishReason.STOP  # the automaton accepted its stop token: output complete
+        tokens = self._jump_forward(req, token) if self.jump_forward and allow_jump else [token]
         for i, t in enumerate(tokens):
             if i > 0:  # forced by the constraint: probability 1 under it
                 if params.logprobs:

@@ -324,44 +324,52 @@ class Scheduler:
         outputs: list[RequestOutput] = []
         token_ids = result.token_ids.tolist()
         allow_jump = len(self.running) <= self.config.jump_forward_max_batch
+        is_prefill = plan.kind is StepKind.PREFILL
+        extend_lens = plan.extend_lens.tolist()
+        append_token, emit = self.outputs.append_token, self.outputs.emit
         for i, req in enumerate(plan.requests):
-            req.num_computed += int(plan.extend_lens[i])
-            req.forced_pending = 0
-            mismatch, req.forced_mismatch = req.forced_mismatch, None
-            if mismatch is not None:  # the model would not have produced the forced tokens from here
-                keep, token_ids[i] = mismatch
-                self._drop_forced_tail(req, keep)
-            if plan.kind is StepKind.PREFILL and self.use_cache:
-                self._cache_computed_prefix(req)
-            if plan.sample_mask is not None and not plan.sample_mask[i]:
+            req.num_computed += extend_lens[i]
+            if is_prefill and not self._after_prefill(req, plan, i, token_ids):
                 continue  # a non-final chunk: nothing to sample yet
-            if plan.kind is StepKind.PREFILL:
-                req.status = RequestStatus.DECODE
-                self.running.append(req)
-                self.running_version += 1
-            reason = self.outputs.append_token(req, token_ids[i], result, i, allow_jump=allow_jump)
-            self.stats.generated_tokens += 1
+            reason = append_token(req, token_ids[i], result, i, allow_jump=allow_jump)
             if req.pending_rollback is not None:
                 out = self._rollback(req)
                 if out is not None:
                     outputs.append(out)
-                continue
-            if reason is None and req.pending_extend:
-                self._requeue_for_extend(req)
-                continue
-            if reason is None:
-                out = self.outputs.emit(req, final=False, has_new_token=True)
-                if out is not None:
-                    outputs.append(out)
-            else:
+            elif reason is not None:
                 self._remove_running(req)
                 outputs.append(self._finish(req, reason, has_new_token=True))
+            elif req.pending_extend:
+                self._requeue_for_extend(req)
+            else:
+                out = emit(req, final=False, has_new_token=True)
+                if out is not None:
+                    outputs.append(out)
+        self.stats.generated_tokens += len(plan.requests) if not is_prefill else int(
+            plan.sample_mask.sum() if plan.sample_mask is not None else len(plan.requests))
         self._step.kind = plan.kind.value
         self._step.batch_size = plan.batch_size
         self._step.forward_s = forward_s
         self.stats.record(self._step, queue_depth=len(self.waiting), running=len(self.running),
                           kv_used=self.pool.used(), cached=self.tree.cached_tokens())
         return outputs
+
+    def _after_prefill(self, req: Request, plan: StepPlan, i: int, token_ids: list[int]) -> bool:
+        """Prefill-only bookkeeping: jump-forward verification outcome, prefix caching, joining the
+        decode group. False for a non-final chunk (nothing is sampled for it)."""
+        req.forced_pending = 0
+        mismatch, req.forced_mismatch = req.forced_mismatch, None
+        if mismatch is not None:  # the model would not have produced the forced tokens from here
+            keep, token_ids[i] = mismatch
+            self._drop_forced_tail(req, keep)
+        if self.use_cache:
+            self._cache_computed_prefix(req)
+        if plan.sample_mask is not None and not plan.sample_mask[i]:
+            return False
+        req.status = RequestStatus.DECODE
+        self.running.append(req)
+        self.running_version += 1
+        return True
 
     def _drop_forced_tail(self, req: Request, keep: int) -> None:
         """Forget the forced tokens from output index ``keep`` on (their KV included); the
