@@ -94,7 +94,7 @@ def build_params(req: SamplingFields, prompt_len: int, max_context: int, *, max_
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         seed=None if req.seed is None else req.seed + seed_offset,
-        stop=req.stop or (),
+        stop=tuple([req.stop] if isinstance(req.stop, str) else req.stop or ()),
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
@@ -230,10 +230,11 @@ def observe_latency(metrics: Any, last: list[float | None], i: int, out: Request
     if not out.new_token_ids:
         return
     now = time.perf_counter()
-    if last[i] is None:
+    previous = last[i]
+    if previous is None:
         metrics.ttft.observe(now - started)
     else:
-        metrics.itl.observe(now - last[i])
+        metrics.itl.observe(now - previous)
     last[i] = now
 
 

@@ -38,7 +38,7 @@ def make_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: lis
         raise ValueError(f"grammar_backend must be one of {['auto', *BACKENDS]}, got {name!r}")
     module, cls = BACKENDS[name].split(":")
     backend_cls = getattr(importlib.import_module(module), cls)
-    return backend_cls(tokenizer, vocab_size, stop_token_ids)  # type: ignore[no-any-return]
+    return backend_cls(tokenizer, vocab_size, stop_token_ids)
 
 
 __all__ = [

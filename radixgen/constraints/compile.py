@@ -61,14 +61,16 @@ class GrammarService:
             callback(grammar, error)
 
         def on_done(f: Future[Grammar]) -> None:
+            timer.cancel()
             error = f.exception()
-            deliver(None if error else f.result(), error)
+            deliver(None if error else f.result(), error if isinstance(error, Exception) or error is None
+                    else RuntimeError(str(error)))
 
         timer = threading.Timer(self.timeout_s, lambda: deliver(None, InvalidConstraintError(
             f"compiling the {spec.kind.replace('_', ' ')} took longer than {self.timeout_s:.0f} s; simplify it")))
         timer.daemon = True
         timer.start()
-        future.add_done_callback(lambda f: (timer.cancel(), on_done(f)))
+        future.add_done_callback(on_done)
 
     def _future(self, spec: ConstraintSpec) -> Future[Grammar]:
         with self._lock:

@@ -84,9 +84,9 @@ class JsonScanner:
             elif ch == '"':
                 self._in_string = False
                 if self._string_is_key:
-                    frame = self._stack[-1]
-                    frame[2] = json.loads(self.text[self._key_start : pos + 1])
-                    frame[3] = "colon"
+                    owner = self._stack[-1]
+                    owner[2] = json.loads(self.text[self._key_start : pos + 1])
+                    owner[3] = "colon"
                 else:
                     self._complete_scalar(pos + 1, out)
             return
@@ -97,7 +97,7 @@ class JsonScanner:
                 return
         if ch in " \t\r\n":
             return
-        frame = self._stack[-1] if self._stack else None
+        frame: list[Any] | None = self._stack[-1] if self._stack else None
         if frame is not None and frame[0] == "{" and frame[3] == "key":
             if ch == '"':
                 self._in_string, self._string_is_key, self._key_start = True, True, pos

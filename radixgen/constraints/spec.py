@@ -26,11 +26,11 @@ class ConstraintSpec:
 
     def schema(self) -> dict[str, Any]:
         assert self.kind == "json_schema"
-        return json.loads(self.value)  # type: ignore[no-any-return]
+        return json.loads(self.value)
 
     def choices(self) -> list[str]:
         assert self.kind == "choices"
-        return json.loads(self.value)  # type: ignore[no-any-return]
+        return json.loads(self.value)
 
 
 def regex_spec(pattern: str) -> ConstraintSpec:

@@ -208,7 +208,7 @@ class Engine:
         single = isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], int)
         )
-        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
         if isinstance(sampling_params, Sequence):
             params_list = list(sampling_params)
             if len(params_list) != len(batch):
@@ -247,10 +247,11 @@ class Engine:
         """Yield deltas as they are produced; leaving the loop early aborts the request."""
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        req = self.add_request(
-            prompt, params, request_id=request_id,
-            on_output=lambda out: loop.call_soon_threadsafe(deltas.put_nowait, out),
-        )
+
+        def push(out: RequestOutput) -> None:  # engine thread -> this event loop
+            loop.call_soon_threadsafe(deltas.put_nowait, out)
+
+        req = self.add_request(prompt, params, request_id=request_id, on_output=push)
         finished = False
         try:
             while not finished:

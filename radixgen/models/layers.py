@@ -100,6 +100,9 @@ class RotaryEmbedding(nn.Module):
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
+        self.rotation: torch.Tensor
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]

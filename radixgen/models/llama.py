@@ -65,6 +65,9 @@ class LlamaForCausalLM(nn.Module):
         # A separate copy even when tied, so the head can live in oneDNN's packed layout.
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return list(self.layers)  # type: ignore[arg-type]  # ModuleList items are typed as Module
+
     @torch.inference_mode()
     def forward(
         self,
@@ -78,7 +81,7 @@ class LlamaForCausalLM(nn.Module):
         """Return float32 logits [N, vocab] for the selected positions."""
         x = self.embed[input_ids]  # [T, hidden]
         cos, sin = self.rope.tables(positions)
-        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
+        for layer, k_cache, v_cache in zip(self.decoder_layers(), k_caches, v_caches, strict=True):
             x = layer(x, cos, sin, plan, k_cache, v_cache)
         x = self.norm(x[logits_index])  # the norm is per row, so selecting first is exact
         return self.lm_head(x).float()
@@ -98,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
             head = state.get("lm_head.weight") if not cfg.tie_word_embeddings else None
             self.lm_head.weight.copy_(head.to(dtype) if head is not None else self.embed)
             self.norm.weight.copy_(take("model.norm.weight"))
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.decoder_layers()):
                 p = f"model.layers.{i}."
                 attn, mlp = layer.attn, layer.mlp
                 attn.qkv.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
