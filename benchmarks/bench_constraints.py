@@ -31,7 +31,7 @@ from radixgen.constraints.spec import schema_spec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / "tests" / "data" / "json-schema-test-suite"
-API = json.loads((Path(__file__).parent / "data" / "api_schemas.json").read_text())
+API = json.loads((ROOT / "tests" / "data" / "api_schemas.json").read_text())
 
 
 def pct(xs: list[float], q: float) -> float:
