@@ -24,14 +24,9 @@ import torch
 from radixgen.config import EngineConfig
 from radixgen.constraints import (
     Grammar,
-    GrammarService,
-    allocate_bitmask,
-    apply_bitmask,
-    make_backend,
 )
-from radixgen.constraints.events import SchemaValidators, Validation
-from radixgen.constraints.mask import ALL_ALLOWED, ban_tokens
-from radixgen.engine.batch import StepKind, StepPlan
+from radixgen.engine.batch import StepKind
+from radixgen.engine.constrained import ConstrainedDecoding
 from radixgen.engine.model_runner import ModelRunner
 from radixgen.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from radixgen.engine.sampler import Sampler, SamplingBatchCache
@@ -130,11 +125,9 @@ class Engine:
         self._dead_reason: str | None = None
         self._active_ids: set[str] = set()
         self._sampling_batches = SamplingBatchCache(self.model_config.vocab_size, self.runner.device)
-        self._grammars: GrammarService | None = None
-        self._grammar_lock = threading.Lock()
-        self._bitmask = allocate_bitmask(self.config.max_running_requests, self.model_config.vocab_size)
+        self.constraints = ConstrainedDecoding(self.config, self.tokenizer, self.model_config.vocab_size,
+                                               list(self.model_config.eos_token_ids), self.runner.device)
         self._aborted_while_compiling: set[str] = set()
-        self._schema_validators: dict[str, SchemaValidators] = {}
         self._lock = threading.Lock()
         self._started.set()  # the loop may begin serving
 
@@ -183,19 +176,10 @@ class Engine:
         if params.constraint is None:
             self._inbox.put(("add", req))
         else:  # compile off the loop; the request joins when its grammar is ready
-            self.grammars().compile_async(
+            self.constraints.grammars().compile_async(
                 params.constraint, lambda grammar, error: self._inbox.put(("add_compiled", (req, grammar, error)))
             )
         return req
-
-    def grammars(self) -> GrammarService:
-        """The constraint compiler, created on first use (building the tokenizer index costs ~1 s)."""
-        with self._grammar_lock:
-            if self._grammars is None:
-                backend = make_backend(self.config.grammar_backend, self.tokenizer, self.model_config.vocab_size,
-                                       list(self.model_config.eos_token_ids))
-                self._grammars = GrammarService(backend, timeout_s=self.config.grammar_compile_timeout_s)
-            return self._grammars
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -267,8 +251,7 @@ class Engine:
                 self.abort(req.request_id)
 
     def shutdown(self) -> None:
-        if self._grammars is not None:
-            self._grammars.shutdown()
+        self.constraints.shutdown()
         self._stopped.set()
         self._inbox.put(("wake", None))
         self._thread.join(timeout=30)
@@ -372,67 +355,7 @@ class Engine:
             req.user_error = isinstance(error, ValueError)
             self.scheduler.abort(req.request_id, FinishReason.ERROR, error=str(error))
         else:
-            req.matcher = grammar.matcher()
-            req.validation = self._validation(req)
-
-    def _validation(self, req: Request) -> Validation | None:
-        params, spec = req.params, req.params.constraint
-        schema = model = None
-        if spec is not None and spec.kind == "json_schema":
-            schema = self._schema_validators.get(spec.value)
-            if schema is None:
-                schema = self._schema_validators[spec.value] = SchemaValidators(spec.schema())
-            if isinstance(params.json_schema, type) and hasattr(params.json_schema, "model_validate"):
-                model = params.json_schema
-        if schema is None and model is None and not params.validators:
-            return None
-        return Validation(schema=schema, model=model, user=params.validators)
-
-    def _verify_forced(self, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
-        """Check jump-forward's forced tokens against the model's greedy choice under the mask,
-        position by position; at the first difference, keep the model's token instead (the
-        scheduler drops the rest). Returns the logits of the last positions only."""
-        assert plan.verify_counts is not None
-        batch = plan.batch_size
-        extra = logits[batch:]
-        row = 0
-        mask = self._bitmask[:1]
-        for i, m in enumerate(plan.verify_counts.tolist()):
-            if not m:
-                continue
-            req = plan.requests[i]
-            matcher = req.matcher
-            assert matcher is not None
-            forced = req.output_ids[len(req.output_ids) - m :]
-            matcher.rollback(m)
-            for j, tok in enumerate(forced):
-                mask.fill(ALL_ALLOWED)
-                matcher.fill_bitmask(mask, 0)
-                scores = extra[row + j : row + j + 1].clone()
-                apply_bitmask(scores, torch.from_numpy(mask).to(scores.device))
-                choice = int(scores.argmax())
-                if choice != tok:
-                    req.forced_mismatch = (len(req.output_ids) - m + j, choice)
-                    break
-                matcher.accept(tok)
-            row += m
-        return logits[:batch]
-
-    def _constraint_bitmask(self, plan: StepPlan) -> torch.Tensor | None:
-        """Allowed-token bitmask rows for this step's constrained requests (None if there are none)."""
-        rows = [i for i, r in enumerate(plan.requests)
-                if r.matcher is not None and (plan.sample_mask is None or plan.sample_mask[i])]
-        if not rows:
-            return None
-        mask = self._bitmask[: plan.batch_size]
-        mask.fill(ALL_ALLOWED)
-        for i in rows:
-            req = plan.requests[i]
-            req.matcher.fill_bitmask(mask, i)  # type: ignore[union-attr]
-            banned = req.bans.get(len(req.output_ids))
-            if banned:
-                ban_tokens(mask[i], banned)
-        return torch.from_numpy(mask).to(self.runner.device)
+            self.constraints.attach(req, grammar)
 
     def _loop(self) -> None:
         try:
@@ -476,8 +399,8 @@ class Engine:
             with torch.inference_mode():  # logits are inference tensors; sampling edits them in place
                 logits = self.runner.forward(plan)
                 if plan.verify_counts is not None:
-                    logits = self._verify_forced(plan, logits)
-                result = self.sampler(logits, self._sampling_batches.get(plan), self._constraint_bitmask(plan))
+                    logits = self.constraints.verify_forced(plan, logits)
+                result = self.sampler(logits, self._sampling_batches.get(plan), self.constraints.bitmask(plan))
         except Exception as e:  # an internal fault fails this step's requests, not the engine
             logger.exception("step failed")
             self.scheduler.fail_step(plan, f"internal error: {type(e).__name__}: {e}")

@@ -1,0 +1,109 @@
+"""The engine's side of constrained decoding: compiling specs, giving requests their matcher
+and validators, the step's bitmask, and checking jump-forward's forced tokens."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from radixgen.config import EngineConfig
+from radixgen.constraints import (
+    Grammar,
+    GrammarService,
+    allocate_bitmask,
+    apply_bitmask,
+    make_backend,
+)
+from radixgen.constraints.events import SchemaValidators, Validation
+from radixgen.constraints.mask import ALL_ALLOWED, ban_tokens
+from radixgen.engine.batch import StepPlan
+from radixgen.engine.request import Request
+
+
+class ConstrainedDecoding:
+    def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+                 device: torch.device) -> None:
+        self.config, self.tokenizer, self.vocab_size = config, tokenizer, vocab_size
+        self.stop_token_ids, self.device = stop_token_ids, device
+        self._service: GrammarService | None = None
+        self._lock = threading.Lock()
+        self._bitmask = allocate_bitmask(config.max_running_requests, vocab_size)
+        self._schema_validators: dict[str, SchemaValidators] = {}
+
+    def grammars(self) -> GrammarService:
+        """The compiler service, created on first use (building the tokenizer index costs ~1 s)."""
+        with self._lock:
+            if self._service is None:
+                backend = make_backend(self.config.grammar_backend, self.tokenizer, self.vocab_size, self.stop_token_ids)
+                self._service = GrammarService(backend, timeout_s=self.config.grammar_compile_timeout_s)
+            return self._service
+
+    def attach(self, req: Request, grammar: Grammar) -> None:
+        """Give a request whose grammar is ready its matcher and validators (loop thread)."""
+        req.matcher = grammar.matcher()
+        req.validation = self._validation(req)
+
+    def _validation(self, req: Request) -> Validation | None:
+        params, spec = req.params, req.params.constraint
+        schema = model = None
+        if spec is not None and spec.kind == "json_schema":
+            schema = self._schema_validators.get(spec.value)
+            if schema is None:
+                schema = self._schema_validators[spec.value] = SchemaValidators(spec.schema())
+            if isinstance(params.json_schema, type) and hasattr(params.json_schema, "model_validate"):
+                model = params.json_schema
+        if schema is None and model is None and not params.validators:
+            return None
+        return Validation(schema=schema, model=model, user=params.validators)
+
+    def bitmask(self, plan: StepPlan) -> torch.Tensor | None:
+        """Allowed-token rows for this step's constrained requests that sample (None if none)."""
+        rows = [i for i, r in enumerate(plan.requests)
+                if r.matcher is not None and (plan.sample_mask is None or plan.sample_mask[i])]
+        if not rows:
+            return None
+        mask = self._bitmask[: plan.batch_size]
+        mask.fill(ALL_ALLOWED)
+        for i in rows:
+            req = plan.requests[i]
+            req.matcher.fill_bitmask(mask, i)  # type: ignore[union-attr]
+            banned = req.bans.get(len(req.output_ids))
+            if banned:
+                ban_tokens(mask[i], banned)
+        return torch.from_numpy(mask).to(self.device)
+
+    def verify_forced(self, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
+        """Check jump-forward's forced tokens against the model's greedy choice under the mask,
+        position by position; at the first difference, record the model's token instead (the
+        scheduler drops the rest). Returns the logits of the last positions only."""
+        assert plan.verify_counts is not None
+        batch = plan.batch_size
+        extra = logits[batch:]
+        row = 0
+        mask = self._bitmask[:1]
+        for i, m in enumerate(plan.verify_counts.tolist()):
+            if not m:
+                continue
+            req = plan.requests[i]
+            matcher = req.matcher
+            assert matcher is not None
+            forced = req.output_ids[len(req.output_ids) - m :]
+            matcher.rollback(m)
+            for j, tok in enumerate(forced):
+                mask.fill(ALL_ALLOWED)
+                matcher.fill_bitmask(mask, 0)
+                scores = extra[row + j : row + j + 1].clone()
+                apply_bitmask(scores, torch.from_numpy(mask).to(scores.device))
+                choice = int(scores.argmax())
+                if choice != tok:
+                    req.forced_mismatch = (len(req.output_ids) - m + j, choice)
+                    break
+                matcher.accept(tok)
+            row += m
+        return logits[:batch]
+
+    def shutdown(self) -> None:
+        if self._service is not None:
+            self._service.shutdown()
