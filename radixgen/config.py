@@ -68,4 +68,9 @@ class ServerConfig(EngineConfig):
     port: int = 30000
     served_model_name: str = field(default="SmolLM2-135M-Instruct")
     api_key: str | None = None
-    """When set, every endpoint but /health needs 'Authorization: Bearer <key>'."""
+    """When set, every endpoint but /health needs 'Authorization: Bearer <key>'. The environment
+    variable RADIXGEN_API_KEY is used when the flag is absent (keeps the key out of `ps`)."""
+    max_request_bytes: int = 4 * 2**20
+    """Largest request body accepted; larger ones get HTTP 413."""
+    max_n: int = 16
+    """Largest `n` (choices per request)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -63,14 +64,19 @@ def create_app(config: ServerConfig, *, client: EngineClient | None = None) -> F
     app.include_router(chat_router)
     app.include_router(completions_router)
 
+    api_key = config.api_key or os.environ.get("RADIXGEN_API_KEY") or None
+
     @app.middleware("http")
-    async def check_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if config.api_key and request.url.path != "/health":
+    async def check_request(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if api_key and request.url.path != "/health":
             given = request.headers.get("authorization", "")
-            expected = f"Bearer {config.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                       kind="authentication_error")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > config.max_request_bytes:
+            return error_response(413, f"request body is {declared} bytes; the limit (max_request_bytes) is "
+                                       f"{config.max_request_bytes}", kind="invalid_request_error")
         return await call_next(request)
 
     @app.exception_handler(RadixgenError)

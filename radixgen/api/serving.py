@@ -47,7 +47,11 @@ class ChoiceResult:
 
 
 def check_model(req: SamplingFields, request: Request) -> None:
-    name = request.app.state.config.served_model_name
+    """The model name and the request-size limits every route shares."""
+    config = request.app.state.config
+    if req.n > config.max_n:
+        raise InvalidParamsError(f"n is {req.n}; the limit (max_n) is {config.max_n}")
+    name = config.served_model_name
     if req.model is not None and req.model not in (name, "default"):
         raise HTTPException(404, f"model {req.model!r} does not exist here; available: {name!r}")
 

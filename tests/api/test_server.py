@@ -122,6 +122,8 @@ def test_logprobs(server: LiveServer) -> None:
                      "tool_choice": {"type": "function", "function": {"name": "g"}}}), 400, "not in tools"),
         (json.dumps({"messages": CHAT, "n": 0}), 400, "n"),
         (json.dumps({"messages": CHAT, "logit_bias": {"50": 10}}), 400, "'logit_bias' is not supported"),
+        (json.dumps({"messages": CHAT, "n": 17}), 400, "max_n"),
+        (json.dumps({"messages": [{"role": "user", "content": "x" * (5 * 2**20)}]}), 413, "max_request_bytes"),
     ],
 )
 def test_errors_are_openai_shaped(server: LiveServer, body: str, status: int, needle: str) -> None:
@@ -155,8 +157,10 @@ def test_metrics_exposes_engine_and_request_counters(server: LiveServer) -> None
         assert name in text, name
 
 
-def test_api_key_and_queue_limit(start_server: Callable[..., LiveServer]) -> None:
-    srv = start_server("--max-queued-requests", "2", api_key="s3cret")
+def test_api_key_and_queue_limit(start_server: Callable[..., LiveServer], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RADIXGEN_API_KEY", "s3cret")  # from the environment: not visible in `ps`
+    srv = start_server("--max-queued-requests", "2")
+    srv.api_key = "s3cret"
     assert httpx.get(srv.url + "/v1/models").status_code == 401
     assert httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.get(srv.url + "/health").status_code == 200, "/health needs no key"
