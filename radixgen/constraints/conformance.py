@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from radixgen.constraints.compile import GrammarService
-from radixgen.constraints.events import SchemaValidators, Validation, _resolve
+from radixgen.constraints.events import SchemaValidators, Validation, resolve_subschema
 from radixgen.constraints.spec import schema_spec
 from radixgen.errors import InvalidConstraintError
 
@@ -40,7 +40,7 @@ class SuiteScore:
 
 def serialize(value: Any, schema: Any, root: dict[str, Any], path: tuple[Any, ...] = ()) -> str:
     if isinstance(value, dict):
-        sub = _resolve(root, path) if isinstance(root, dict) else None
+        sub = resolve_subschema(root, path) if isinstance(root, dict) else None
         order = list((sub or {}).get("properties", {})) if isinstance(sub, dict) else []
         keys = sorted(value, key=lambda k: order.index(k) if k in order else len(order))
         items = [json.dumps(k, ensure_ascii=False) + ": " + serialize(value[k], schema, root, path + (k,)) for k in keys]

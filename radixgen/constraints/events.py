@@ -184,7 +184,7 @@ class SchemaValidators:
         key = tuple("*" if isinstance(p, int) else p for p in path)
         if key in self._cache:
             return self._cache[key]
-        sub = _resolve(self.root, path)
+        sub = resolve_subschema(self.root, path)
         validator = None
         if isinstance(sub, dict) and sub:
             # the root's definitions stay reachable for $ref inside the subschema
@@ -208,7 +208,7 @@ def _deref(root: dict[str, Any], node: Any) -> Any:
     return None
 
 
-def _resolve(root: dict[str, Any], path: Path) -> Any:
+def resolve_subschema(root: dict[str, Any], path: Path) -> Any:
     """The subschema a value at ``path`` must satisfy, when the path alone determines it (None when
     it depends on combinators like anyOf; the whole-object check still covers those)."""
     node: Any = _deref(root, root)

@@ -68,7 +68,6 @@ class OutputProcessor:
                 return reason
         if len(tokens) > 1:
             req.pending_extend = True
-            req.jumped_tokens += len(tokens) - 1
         return None
 
     def _jump_forward(self, req: Request, token: int) -> list[int]:

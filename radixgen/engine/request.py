@@ -199,8 +199,6 @@ class Request:
     user_error: bool = False
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    stop_trim_chars: int = 0
-    """Characters of the last delta's text that belong to a matched stop string."""
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_retractions: int = 0
@@ -215,7 +213,6 @@ class Request:
     """Output position -> tokens a validator rejected there (masked out when resampling)."""
     pending_extend: bool = False
     """Jump-forward appended forced tokens: compute them in the next prefill (extend) step."""
-    jumped_tokens: int = 0
     forced_pending: int = 0
     """Forced tokens at the end of the output not yet checked against the model's greedy choice."""
     forced_mismatch: tuple[int, int] | None = None

@@ -345,8 +345,8 @@ class Scheduler:
                 out = emit(req, final=False, has_new_token=True)
                 if out is not None:
                     outputs.append(out)
-        self.stats.generated_tokens += len(plan.requests) if not is_prefill else int(
-            plan.sample_mask.sum() if plan.sample_mask is not None else len(plan.requests))
+        sampled = plan.sample_mask
+        self.stats.generated_tokens += len(plan.requests) if sampled is None else int(sampled.sum())
         self._step.kind = plan.kind.value
         self._step.batch_size = plan.batch_size
         self._step.forward_s = forward_s

@@ -11,9 +11,8 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -68,7 +67,6 @@ class SimulationReport:
     evicted_tokens: int
     scheduler_cpu_s: float
     steps: int
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> str:
         lines = [
