@@ -15,7 +15,7 @@ from typing import Any
 from radixgen.api.protocol import ChatCompletionRequest, Tool, ToolCall, ToolCallFunction
 from radixgen.errors import InvalidParamsError
 
-_TOOL_SYSTEM = (
+TOOL_SYSTEM_PROMPT = (
     "You can call these tools:\n{tools}\n"
     'To call a tool, reply with only a JSON object: {{"name": <tool name>, "arguments": <arguments object>}}. '
     "Otherwise answer normally."
@@ -78,7 +78,7 @@ def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, mode: str) -> li
         else:
             described = "\n".join(json.dumps(t.function.model_dump(exclude_none=True)) for t in req.tools)
             messages.insert(0 if messages[0]["role"] != "system" else 1,
-                            {"role": "system", "content": _TOOL_SYSTEM.format(tools=described)})
+                            {"role": "system", "content": TOOL_SYSTEM_PROMPT.format(tools=described)})
     # transformers renders chat templates in a sandboxed (immutable) Jinja environment
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -112,6 +112,12 @@ class GenerateRequest(_Request):
     request_id: str | None = None
 
 
+class TokenizeRequest(_Request):
+    """radixgen's native /tokenize: token ids of a text or of each text in a list."""
+
+    text: str | list[str]
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 

@@ -1,4 +1,5 @@
-"""/v1/completions and the native /generate (the DSL's Endpoint backend talks to it)."""
+"""/v1/completions and the native routes the DSL's Endpoint backend talks to: /generate, /tokenize,
+/model_info."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from radixgen.api.protocol import (
     CompletionResponse,
     GenerateRequest,
     PromptTokensDetails,
+    TokenizeRequest,
     Usage,
 )
 from radixgen.api.serving import (
@@ -34,6 +36,7 @@ from radixgen.api.serving import (
 )
 from radixgen.engine.request import RequestOutput, SamplingParams
 from radixgen.errors import InvalidParamsError, PromptTooLongError
+from radixgen.lang.roles import role_markers
 
 router = APIRouter()
 
@@ -174,12 +177,33 @@ async def generate(req: GenerateRequest, request: Request) -> Any:
     return {"text": result.text, "token_ids": result.token_ids,
             "meta": {"request_id": rid, "finish_reason": result.finish_reason, "prompt_tokens": len(ids),
                      "completion_tokens": len(result.token_ids), "cached_tokens": result.cached_tokens,
-                     "logprobs": result.logprobs or None}}
+                     "logprobs": result.logprobs or None, "prompt_logprobs": result.prompt_logprobs}}
+
+
+@router.post("/tokenize")
+async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
+    encode = request.app.state.tokenizer.encode
+    if isinstance(req.text, str):
+        return {"tokens": list(encode(req.text, add_special_tokens=False))}
+    return {"tokens": [list(encode(text, add_special_tokens=False)) for text in req.text]}
+
+
+@router.get("/model_info")
+async def model_info(request: Request) -> dict[str, Any]:
+    """What the DSL's Endpoint needs: the context size and the chat template's role markers."""
+    state = request.app.state
+    if getattr(state, "chat_roles", None) is None:
+        try:
+            state.chat_roles = role_markers(state.tokenizer).to_json()
+        except ValueError:
+            state.chat_roles = {}
+    return {"model": state.config.served_model_name, "max_context_len": state.client.info["max_context_len"],
+            "chat_roles": state.chat_roles or None}
 
 
 def _meta(out: RequestOutput) -> dict[str, Any]:
     return {"request_id": out.request_id, "finish_reason": out.finish_reason.value if out.finish_reason else None,
             "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "cached_tokens": out.cached_tokens}
+            "cached_tokens": out.cached_tokens, "prompt_logprobs": out.prompt_logprobs}
 
 

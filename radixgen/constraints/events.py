@@ -7,7 +7,8 @@ engine can roll the request back there, ban the first token it chose and resampl
 
 Validators come from the schema (each completed value is checked against the subschema its
 path resolves to, with semantic formats; the whole object against the whole schema), from a
-pydantic model (``model_validate`` on the whole object) and from the caller
+pydantic model (its field validators on each top-level field as it completes, ``model_validate``
+on the whole object) and from the caller
 (``validators={"$.price": fn}``; ``[*]`` matches any array index).
 """
 
@@ -230,6 +231,24 @@ def resolve_subschema(root: dict[str, Any], path: Path) -> Any:
     return node
 
 
+def _pydantic_field_check(model: Any, name: str | int, value: Any) -> str | None:
+    """Run a pydantic model's validators of one field on its value as soon as it completes, so
+    a bad field is resampled alone rather than the whole object. Errors located elsewhere (model
+    validators that need the other fields) wait for the whole-object check."""
+    from pydantic import ValidationError
+
+    if not isinstance(name, str) or name not in model.model_fields:
+        return None
+    try:
+        model.__pydantic_validator__.validate_assignment(model.model_construct(), name, value)
+    except ValidationError as e:
+        mine = [err for err in e.errors() if tuple(err.get("loc", ()))[:1] == (name,)]
+        return f"$.{name}: {mine[0]['msg']}" if mine else None
+    except Exception:  # noqa: BLE001 - a validator that reads fields not generated yet
+        return None
+    return None
+
+
 def _path_matches(pattern: str, path: Path) -> bool:
     regex = "^" + re.escape(pattern).replace(r"\[\*\]", r"\[\d+\]") + "$"
     return re.match(regex, format_path(path)) is not None
@@ -263,6 +282,10 @@ class Validation:
     def _check(self, value: CompletedValue) -> str | None:
         if self.schema is not None:
             reason = self.schema.check(value.path, value.value)
+            if reason is not None:
+                return reason
+        if len(value.path) == 1 and self.model is not None:
+            reason = _pydantic_field_check(self.model, value.path[0], value.value)
             if reason is not None:
                 return reason
         if not value.path and self.model is not None:

@@ -22,6 +22,16 @@ class StepKind(enum.Enum):
 
 
 @dataclass
+class PromptScoring:
+    """Prompt positions whose next-token log-probability a prefill step reports."""
+
+    token_index: np.ndarray  # [S] flat index into the step's tokens
+    targets: np.ndarray  # [S] the prompt token that follows each position
+    owners: np.ndarray  # [S] index of the request in the batch
+    offsets: np.ndarray  # [S] index into that request's ``prompt_logprobs``
+
+
+@dataclass
 class StepPlan:
     kind: StepKind
     requests: list[Request]
@@ -36,6 +46,7 @@ class StepPlan:
     verify_counts: np.ndarray | None = None
     """[B] prefill only: how many forced tokens at the end of each request's extend need the
     logits of the positions before them (jump-forward verification)."""
+    prompt_scoring: PromptScoring | None = None
     batch_version: int | None = None
     """Decode only: equal versions mean the same requests in the same order as before."""
 

@@ -19,15 +19,16 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from radixgen.config import EngineConfig
 from radixgen.constraints import (
     Grammar,
 )
-from radixgen.engine.batch import StepKind
+from radixgen.engine.batch import StepKind, StepPlan
 from radixgen.engine.constrained import ConstrainedDecoding
-from radixgen.engine.model_runner import ModelRunner
+from radixgen.engine.model_runner import ModelRunner, split_prompt_scores
 from radixgen.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from radixgen.engine.sampler import Sampler, SamplingBatchCache
 from radixgen.engine.scheduler import Scheduler
@@ -51,8 +52,12 @@ class GenerationOutput:
     completion_tokens: int
     cached_tokens: int = 0
     error: str | None = None
+    user_error: bool = False
+    """The error is the caller's (e.g. an invalid constraint), not an internal fault."""
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float] | None = None
+    """With ``prompt_logprob_start``: log-probabilities of the prompt's tokens from there on."""
 
 
 @dataclass
@@ -73,8 +78,9 @@ class _Collector:
             request_id=self.final.request_id, text=self.final.text, token_ids=self.final.output_ids,
             finish_reason=self.final.finish_reason, prompt_tokens=self.final.prompt_tokens,
             completion_tokens=self.final.completion_tokens, cached_tokens=self.final.cached_tokens,
-            error=self.final.error, logprobs=list(req.output_logprobs) if params.logprobs else None,
+            error=self.final.error, user_error=self.final.user_error, logprobs=list(req.output_logprobs) if params.logprobs else None,
             top_logprobs=list(req.output_top_logprobs) if params.top_logprobs else None,
+            prompt_logprobs=self.final.prompt_logprobs,
         )
 
 
@@ -173,6 +179,8 @@ class Engine:
             request_id=request_id, prompt_ids=prompt_ids, params=params, rng_seed=seed,
             on_output=self._wrap_callback(on_output), stream=stream,
         )
+        if params.prompt_logprob_start is not None:
+            req.prompt_logprobs = np.full(len(prompt_ids) - params.prompt_logprob_start, np.nan, dtype=np.float32)
         if params.constraint is None:
             self._inbox.put(("add", req))
         else:  # compile off the loop; the request joins when its grammar is ready
@@ -306,6 +314,11 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens and max_new_tokens is {params.max_new_tokens}; "
                 f"together they must fit the context of {limit} tokens: shorten the prompt or lower max_new_tokens"
             )
+        start = params.prompt_logprob_start
+        if start is not None and start > len(prompt_ids):
+            raise InvalidParamsError(
+                f"prompt_logprob_start is {start} but the prompt has only {len(prompt_ids)} tokens"
+            )
         if len(prompt_ids) + 1 > self.runner.pool.num_slots:
             raise PromptTooLongError(
                 f"prompt has {len(prompt_ids)} tokens but the KV pool holds {self.runner.pool.num_slots}"
@@ -384,6 +397,16 @@ class Engine:
                 self._after_step()
             self.scheduler.stats.close()
 
+    @staticmethod
+    def _record_prompt_scores(plan: StepPlan, scores: np.ndarray) -> None:
+        scoring = plan.prompt_scoring
+        assert scoring is not None
+        for i in np.unique(scoring.owners).tolist():
+            mine = scoring.owners == i
+            store = plan.requests[i].prompt_logprobs
+            assert store is not None
+            store[scoring.offsets[mine]] = scores[mine]
+
     def step(self) -> None:
         """One scheduler step: plan, forward, sample, hand out results (loop thread only)."""
         plan = self.scheduler.schedule()
@@ -398,6 +421,9 @@ class Engine:
                         self.sampler.penalties.reset_row(req.pool_row, req.prompt_ids, req.output_ids)
             with torch.inference_mode():  # logits are inference tensors; sampling edits them in place
                 logits = self.runner.forward(plan)
+                if plan.prompt_scoring is not None:
+                    logits, scores = split_prompt_scores(plan, logits)
+                    self._record_prompt_scores(plan, scores)
                 if plan.verify_counts is not None:
                     logits = self.constraints.verify_forced(plan, logits)
                 result = self.sampler(logits, self._sampling_batches.get(plan), self.constraints.bitmask(plan))

@@ -56,8 +56,9 @@ class ModelRunner:
         return cls(loaded.model, pool, torch.device(config.device)), loaded
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
-        """float32 logits [B + sum(verify_counts), vocab]: the last new token of every request,
-        then, per request with forced tokens to verify, the positions just before each of them."""
+        """float32 logits [B + sum(verify_counts) + S, vocab]: the last new token of every request;
+        then, per request with forced tokens to verify, the positions just before each of them;
+        then the S prompt positions of ``plan.prompt_scoring``."""
         device = self.device
         attn = build_attention_plan(plan, self.pool.req_to_token, device, self.pool.k.dtype)
         input_ids = torch.from_numpy(plan.input_ids).to(device)
@@ -66,5 +67,19 @@ class ModelRunner:
         if plan.verify_counts is not None and plan.verify_counts.any():
             extra = [np.arange(end - m - 1, end - 1) for end, m in zip(last + 1, plan.verify_counts, strict=True) if m]
             last = np.concatenate([last, *extra])
+        if plan.prompt_scoring is not None:
+            last = np.concatenate([last, plan.prompt_scoring.token_index])
         logits_index = torch.from_numpy(last).to(device)
         return self.model(input_ids, positions, attn, self.pool.k, self.pool.v, logits_index)
+
+
+def split_prompt_scores(plan: StepPlan, logits: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+    """Take the prompt-scoring rows off the end of ``logits``: (the rest, each scored position's
+    log-probability of the prompt token that follows it)."""
+    scoring = plan.prompt_scoring
+    assert scoring is not None
+    count = len(scoring.targets)
+    rows = logits[logits.shape[0] - count :]
+    targets = torch.from_numpy(scoring.targets).to(rows.device)
+    chosen = rows.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(rows, dim=-1)
+    return logits[: logits.shape[0] - count], chosen.cpu().numpy()

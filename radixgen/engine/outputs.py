@@ -162,6 +162,7 @@ class OutputProcessor:
             new_logprobs=req.output_logprobs[-1:] if has_new_token and req.params.logprobs else None,
             new_top_logprobs=req.output_top_logprobs[-1:] if has_new_token and req.params.top_logprobs else None,
             output_ids=list(req.output_ids) if final else None,
+            prompt_logprobs=req.prompt_logprobs.tolist() if final and req.prompt_logprobs is not None else None,
             text=detok.text if final else None,
         )
         if req.on_output is not None:

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from radixgen.constraints.backend import Matcher
 from radixgen.constraints.events import Validation
 from radixgen.constraints.spec import (
@@ -78,6 +80,11 @@ class SamplingParams:
     """Callbacks by JSON path ("$.price", "$.items[*].qty") run on each completed value; a False
     return or a ValueError rejects it: the request rolls back to the value's start and resamples."""
     max_validation_retries: int = 5
+    prompt_logprob_start: int | None = None
+    """Score the prompt too: return the log-probability of each prompt token from this index on,
+    given the tokens before it (the DSL's ``select`` ranks choices with it). The prefix cache
+    serves at most the tokens before ``prompt_logprob_start - 1``, so every scored position is
+    computed."""
     constraint: ConstraintSpec | None = field(default=None, init=False, compare=False, repr=False)
     """Derived from the fields above and validated at construction."""
 
@@ -136,6 +143,10 @@ class SamplingParams:
                                            and all(isinstance(k, str) and k.startswith("$") and callable(v)
                                                    for k, v in self.validators.items())),
                "validators", "a dict of JSON paths ('$...') to callables", self.validators)
+        _check(self.prompt_logprob_start is None
+               or (isinstance(self.prompt_logprob_start, int) and self.prompt_logprob_start >= 1),
+               "prompt_logprob_start", "None or an integer >= 1 (the first token has no context)",
+               self.prompt_logprob_start)
         _check(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
                "top_logprobs", f"an integer in [0, {MAX_TOP_LOGPROBS}]", self.top_logprobs)
 
@@ -168,6 +179,9 @@ class RequestOutput:
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
     output_ids: list[int] | None = None
     """Final output only: every output token id (streamed deltas add up to the same)."""
+    prompt_logprobs: list[float] | None = None
+    """Final output only, with ``prompt_logprob_start``: log-probabilities of the prompt's tokens
+    from that index on."""
     text: str | None = None
     """Final output only: the whole output text."""
 
@@ -220,6 +234,8 @@ class Request:
     pending_rollback: tuple[int, int, str] | None = None
     """(output tokens to keep, position whose token to ban, why) set by a validator rejection."""
     num_rollbacks: int = 0
+    prompt_logprobs: np.ndarray | None = None
+    """[prompt_len - prompt_logprob_start] float32, filled as prefill computes the positions."""
 
     @property
     def prompt_len(self) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from radixgen.config import EngineConfig
-from radixgen.engine.batch import StepKind, StepPlan
+from radixgen.engine.batch import PromptScoring, StepKind, StepPlan
 from radixgen.engine.kv_pool import KVPool
 from radixgen.engine.outputs import OutputProcessor
 from radixgen.engine.request import FinishReason, Request, RequestOutput, RequestStatus
@@ -40,6 +40,27 @@ _LPM_MAX_QUEUE = 128
 
 def _reserve(req: Request) -> int:
     return int(min(req.params.max_new_tokens - len(req.output_ids), _RESERVE_CLIP) * _RESERVE_RATIO)
+
+
+def _prompt_scoring(reqs: list[Request], prefix_lens: np.ndarray, extend_lens: np.ndarray) -> PromptScoring | None:
+    """The positions of this prefill whose next prompt token a request wants scored."""
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    token_start = 0
+    for i, req in enumerate(reqs):
+        prefix, extend = int(prefix_lens[i]), int(extend_lens[i])
+        start = req.params.prompt_logprob_start
+        if start is not None:
+            # position p predicts prompt token p + 1; scored tokens begin at ``start``
+            lo, hi = max(start - 1, prefix), min(prefix + extend, req.prompt_len - 1)
+            if lo < hi:
+                positions = np.arange(lo, hi)
+                parts.append((token_start + positions - prefix, np.asarray(req.prompt_ids[lo + 1 : hi + 1]),
+                              np.full(hi - lo, i), positions + 1 - start))
+        token_start += extend
+    if not parts:
+        return None
+    index, targets, owners, offsets = (np.concatenate(column).astype(np.int64) for column in zip(*parts, strict=True))
+    return PromptScoring(index, targets, owners, offsets)
 
 
 class Scheduler:
@@ -186,7 +207,10 @@ class Scheduler:
     def _admit(self, req: Request, room: int, others_present: bool) -> bool:
         """Give ``req`` a req_to_token row and its cached prefix (locked); False if it must wait."""
         tokens = req.all_ids()
-        match = self.tree.match_prefix(tokens[:-1]) if self.use_cache else None
+        start = req.params.prompt_logprob_start
+        # a scored prompt position must be computed, so the cache serves only what precedes it
+        reusable = len(tokens) - 1 if start is None else min(len(tokens) - 1, start - 1)
+        match = self.tree.match_prefix(tokens[:reusable]) if self.use_cache else None
         prefix = match.length if match is not None else 0
         need = len(tokens) - prefix + _reserve(req)
         if others_present and need > room:
@@ -232,6 +256,7 @@ class Scheduler:
             kind=StepKind.PREFILL, requests=reqs, rows=rows, prefix_lens=prefix_lens, extend_lens=extend_lens,
             input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
             sample_mask=np.array(is_last, dtype=bool), verify_counts=verify if verify.any() else None,
+            prompt_scoring=_prompt_scoring(reqs, prefix_lens, extend_lens),
         )
 
     def _schedule_decode(self) -> StepPlan | None:

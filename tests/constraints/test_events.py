@@ -76,3 +76,35 @@ def test_validation_reports_the_first_rejected_value_and_its_start() -> None:
     raising = Validation(user={"$.order": lambda o: (_ for _ in ()).throw(ValueError("bad order id"))})
     r = raising.feed(text)
     assert r is not None and "bad order id" in r.reason and r.is_string
+
+
+def test_pydantic_field_validators_reject_the_field_as_it_completes() -> None:
+    from pydantic import BaseModel, field_validator, model_validator
+
+    class Booking(BaseModel):
+        city: str
+        nights: int
+        guests: int
+
+        @field_validator("city")
+        @classmethod
+        def capitalised(cls, city: str) -> str:
+            if not city[:1].isupper():
+                raise ValueError("city must be capitalised")
+            return city
+
+        @model_validator(mode="after")
+        def fewer_guests_than_nights(self) -> Booking:
+            if self.guests > self.nights:
+                raise ValueError("more guests than nights")
+            return self
+
+    validation = Validation(model=Booking)
+    text = '{"city": "paris", "nights": 2, "guests": 3}'
+    rejection = validation.feed(text[: text.index(",") + 1])
+    assert rejection is not None and rejection.path == ("city",) and "capitalised" in rejection.reason
+    # the model validator needs every field: it runs on the whole object, not on a field
+    ok = Validation(model=Booking)
+    assert ok.feed('{"city": "Paris", "nights": 2,') is None
+    whole = ok.feed(' "guests": 3}', final=True)
+    assert whole is not None and whole.path == () and "more guests than nights" in whole.reason

@@ -1,0 +1,162 @@
+"""Typed Python functions as tools, and the loop that lets a model call them.
+
+``tool(fn)`` reads the function's annotations (or its single pydantic-model parameter) into a
+pydantic model of its arguments and its docstring into a description. ``run_tools`` asks the
+model a question with the tools described the way ``radixgen serve`` describes them to models
+whose chat template knows no tools, then per turn:
+
+- decides whether the model calls a tool: its own greedy first token of the reply, in a fork
+  that shares the prefix (``{`` opens a call), unless a call is required;
+- picks the tool with ``select`` over the tool names (the model's scores);
+- generates the arguments under the tool's JSON schema, with the pydantic validators running in
+  the decode loop (an out-of-range value is rolled back and resampled, not returned);
+- runs the function and appends its result as a ``tool`` message; the model goes on until it
+  answers or ``max_calls`` is reached (then it must answer).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, create_model
+
+from radixgen.api.chat import TOOL_SYSTEM_PROMPT
+from radixgen.lang.backends import Backend
+from radixgen.lang.ir import gen, select
+from radixgen.lang.program import function
+from radixgen.lang.state import ProgramState
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: type[BaseModel]
+    fn: Callable[..., Any]
+    takes_model: bool = False
+    """The function takes the arguments model itself rather than its fields as keywords."""
+
+    def schema(self) -> dict[str, Any]:
+        return self.parameters.model_json_schema()
+
+    def openai(self) -> dict[str, Any]:
+        """The tool in OpenAI's ``tools`` format (for the chat completions API)."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.schema()}}
+
+    def call(self, arguments: BaseModel | dict[str, Any]) -> Any:
+        args = arguments if isinstance(arguments, BaseModel) else self.parameters.model_validate(arguments)
+        if self.takes_model:
+            return self.fn(args)
+        return self.fn(**{name: getattr(args, name) for name in type(args).model_fields})
+
+
+def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,
+         description: str | None = None) -> Any:
+    """``@tool`` or ``tool(fn, name=..., description=...)``: a Tool from a typed function."""
+    # string annotations (``from __future__ import annotations``) may name classes local to
+    # the caller, e.g. a pydantic model defined inside a function
+    caller_locals = dict(sys._getframe(1).f_locals)
+    if fn is None:
+        return lambda f: _make_tool(f, name, description, caller_locals)
+    return _make_tool(fn, name, description, caller_locals)
+
+
+def _make_tool(fn: Callable[..., Any], name: str | None, description: str | None,
+               caller_locals: dict[str, Any]) -> Tool:
+    try:
+        hints = typing.get_type_hints(fn, include_extras=True)
+    except NameError:
+        hints = typing.get_type_hints(fn, localns=caller_locals, include_extras=True)
+    params = list(inspect.signature(fn).parameters.values())
+    tool_name = name or fn.__name__
+    doc = description if description is not None else inspect.getdoc(fn) or ""
+    if len(params) == 1 and isinstance(hints.get(params[0].name), type) and issubclass(hints[params[0].name], BaseModel):
+        return Tool(tool_name, doc, hints[params[0].name], fn, takes_model=True)
+    fields: dict[str, Any] = {}
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise TypeError(f"tool {tool_name}: *args/**kwargs cannot be described as JSON; name each parameter")
+        if p.name not in hints:
+            raise TypeError(f"tool {tool_name}: annotate parameter {p.name!r} with its type")
+        fields[p.name] = (hints[p.name], ... if p.default is p.empty else p.default)
+    model = create_model(f"{tool_name}_arguments", **fields)
+    return Tool(tool_name, doc, model, fn)
+
+
+@dataclass
+class ToolCallRecord:
+    name: str
+    arguments: BaseModel
+    result: Any
+
+
+@dataclass
+class ToolRun:
+    answer: str
+    calls: list[ToolCallRecord] = field(default_factory=list)
+    state: ProgramState | None = None
+
+
+def _as_tools(tools: Sequence[Tool | Callable[..., Any]]) -> list[Tool]:
+    made = [t if isinstance(t, Tool) else _make_tool(t, None, None, {}) for t in tools]
+    names = [t.name for t in made]
+    if not made or len(set(names)) != len(names):
+        raise ValueError(f"run_tools needs tools with distinct names, got {names}")
+    return made
+
+
+def _describe(tools: list[Tool]) -> str:
+    return "\n".join(json.dumps(t.openai()["function"]) for t in tools)
+
+
+@function
+def _tool_loop(s: ProgramState, question: str, tools: list[Tool], system: str | None, tool_choice: str,
+               max_calls: int, max_tokens: int, calls: list[ToolCallRecord]) -> None:
+    by_name = {t.name: t for t in tools}
+    with s.system():
+        s += (system + "\n\n" if system else "") + TOOL_SYSTEM_PROMPT.format(tools=_describe(tools))
+    with s.user():
+        s += question
+    for turn in range(max_calls + 1):
+        with s.assistant():
+            if turn == max_calls or tool_choice == "none":
+                wants_call = False
+            elif tool_choice == "required" and turn == 0:
+                wants_call = True
+            else:  # the model's own first token decides; the fork's prefix comes from the cache
+                probe = s.fork(1)[0]
+                probe += gen("opening", max_tokens=1, temperature=0.0)
+                wants_call = probe["opening"].lstrip().startswith("{")
+            if not wants_call:
+                s += gen("answer", max_tokens=max_tokens)
+                return
+            s += '{"name": "' + select(f"tool_{turn}", [t.name for t in tools]) + '", "arguments": '
+            chosen = by_name[s[f"tool_{turn}"]]
+            s += gen(f"arguments_{turn}", json_schema=chosen.parameters, max_tokens=max_tokens) + "}"
+        arguments = s[f"arguments_{turn}"]
+        result = chosen.call(arguments)
+        calls.append(ToolCallRecord(chosen.name, arguments, result))
+        with s.tool():
+            s += result if isinstance(result, str) else json.dumps(result, default=str)
+
+
+def run_tools(question: str, tools: Sequence[Tool | Callable[..., Any]], *, backend: Backend | None = None,
+              system: str | None = None, tool_choice: str = "auto", max_calls: int = 3, max_tokens: int = 128,
+              seed: int | None = None, temperature: float = 0.0) -> ToolRun:
+    """Answer ``question`` letting the model call ``tools`` (functions or Tools) first.
+    ``tool_choice``: "auto" (the model decides), "required" (the first turn calls a tool) or
+    "none"."""
+    if tool_choice not in ("auto", "required", "none"):
+        raise ValueError(f"tool_choice must be 'auto', 'required' or 'none', got {tool_choice!r}")
+    made = _as_tools(tools)
+    calls: list[ToolCallRecord] = []
+    state = _tool_loop.run(question, made, system, tool_choice, max_calls, max_tokens, calls,
+                           backend=backend, seed=seed, temperature=temperature)
+    return ToolRun(answer=state["answer"], calls=calls, state=state)
