@@ -26,7 +26,7 @@ test: install
 	$(PY) -m pytest -q
 
 lint: install
-	$(VENV)/bin/ruff check radixgen tests benchmarks
+	$(VENV)/bin/ruff check radixgen tests benchmarks examples
 	$(VENV)/bin/mypy radixgen
 
 bench: install

@@ -14,12 +14,7 @@ from typing import Any
 
 from radixgen.api.protocol import ChatCompletionRequest, Tool, ToolCall, ToolCallFunction
 from radixgen.errors import InvalidParamsError
-
-TOOL_SYSTEM_PROMPT = (
-    "You can call these tools:\n{tools}\n"
-    'To call a tool, reply with only a JSON object: {{"name": <tool name>, "arguments": <arguments object>}}. '
-    "Otherwise answer normally."
-)
+from radixgen.templates import TOOL_SYSTEM_PROMPT
 
 
 def _message_text(content: Any) -> str:

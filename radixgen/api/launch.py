@@ -30,7 +30,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "radixgen.api.cli", "serve", "--port", str(self.port), "--log-level", "warning"]
         cmd += ["--model", model] if model else []
         # a file, not a pipe: a pipe nobody reads would block the server once it fills
-        self.log = tempfile.TemporaryFile(mode="w+")
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - open while the server runs
         self.proc = subprocess.Popen([*cmd, *args], stdout=self.log, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         deadline = time.monotonic() + timeout

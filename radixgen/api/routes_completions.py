@@ -36,7 +36,7 @@ from radixgen.api.serving import (
 )
 from radixgen.engine.request import RequestOutput, SamplingParams
 from radixgen.errors import InvalidParamsError, PromptTooLongError
-from radixgen.lang.roles import role_markers
+from radixgen.templates import role_markers
 
 router = APIRouter()
 

@@ -16,7 +16,7 @@ from functools import cached_property
 from typing import Any
 
 from radixgen.errors import InvalidParamsError
-from radixgen.lang.roles import RoleMarkers, role_markers
+from radixgen.templates import RoleMarkers, role_markers
 
 Prompt = str | list[int]
 OnText = Callable[[str], None]

@@ -18,7 +18,7 @@ from typing import Any
 
 from radixgen.lang.backends import Backend
 from radixgen.lang.ir import Concat, Expr, Gen, RoleBegin, RoleEnd, Select
-from radixgen.lang.roles import ROLES
+from radixgen.templates import ROLES
 
 _END = object()
 

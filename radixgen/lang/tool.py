@@ -26,11 +26,11 @@ from typing import Any
 
 from pydantic import BaseModel, create_model
 
-from radixgen.api.chat import TOOL_SYSTEM_PROMPT
 from radixgen.lang.backends import Backend
 from radixgen.lang.ir import gen, select
 from radixgen.lang.program import function
 from radixgen.lang.state import ProgramState
+from radixgen.templates import TOOL_SYSTEM_PROMPT
 
 
 @dataclass(frozen=True)

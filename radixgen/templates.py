@@ -1,6 +1,6 @@
-"""Role blocks of the DSL rendered with the model's own chat template.
+"""How prompts are laid out for a model's chat template, shared by the server and the DSL.
 
-A block's text is what the template puts around a message of that role. We find it by rendering
+Role markers: the DSL's role blocks are rendered with the model's own chat template. A block's text is what the template puts around a message of that role. We find it by rendering
 a message whose content is a marker and splitting there, so any template works without a table
 of formats. A conversation's first block is rendered on its own, because templates may add text
 only at the start (SmolLM2 inserts a default system prompt before a first user message).
@@ -12,6 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
+
+# How tools are described to models whose chat template knows none (the bundled SmolLM2's
+# ChatML among them): the server and the DSL's tool loop use the same words and call format.
+TOOL_SYSTEM_PROMPT = (
+    "You can call these tools:\n{tools}\n"
+    'To call a tool, reply with only a JSON object: {{"name": <tool name>, "arguments": <arguments object>}}. '
+    "Otherwise answer normally."
+)
 _MARKER = "\x00radixgen-marker\x00"
 
 
