@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,35 +10,15 @@ from typing import Any
 import httpx
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from radixgen.api.launch import ServerProcess
 
 
-class LiveServer:
+class LiveServer(ServerProcess):
+    """``radixgen serve`` as users start it, plus the test's view of its KV accounting."""
+
     def __init__(self, args: list[str], api_key: str | None = None) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        cmd = [sys.executable, "-m", "radixgen.api.cli", "serve", "--port", str(self.port), "--log-level", "warning", *args]
-        if api_key:
-            cmd += ["--api-key", api_key]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read() if self.proc.stdout else ''}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError("server did not become healthy in time")
+        super().__init__(*args, *(["--api-key", api_key] if api_key else []), timeout=240)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -60,14 +36,6 @@ class LiveServer:
                 return stats
             time.sleep(0.1)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
 
 
 @pytest.fixture(scope="session")
