@@ -45,6 +45,12 @@ class EngineConfig:
     grammar_backend: str = "auto"
     """Constraint compiler: auto (fastest installed with full coverage) or xgrammar."""
     grammar_compile_timeout_s: float = 30.0
+    max_schema_bytes: int = 256 * 1024
+    """Largest JSON schema (compact JSON) a request may give."""
+    max_schema_depth: int = 64
+    """Deepest nesting of a request's JSON schema (at most 64, the hard cap)."""
+    max_new_tokens_limit: int | None = None
+    """Largest max_new_tokens / max_tokens a request may ask for; None: whatever fits the context."""
     jump_forward: bool = True
     """Append text a constraint forces without a decode step per token (computed in one extend)."""
     jump_forward_max_batch: int = 4
@@ -74,3 +80,6 @@ class ServerConfig(EngineConfig):
     """Largest request body accepted; larger ones get HTTP 413."""
     max_n: int = 16
     """Largest `n` (choices per request)."""
+    engine_restarts: int = 3
+    """How many times the server starts a crashed engine process again (0: never); requests in
+    flight when it crashed get HTTP 503."""

@@ -31,8 +31,12 @@ _DEAD = object()  # queue sentinel: the engine went away
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, restarts: int = 0) -> None:
+        """``restarts``: how many times a crashed engine process is started again."""
         self.config = config
+        self.restarts_left = restarts
+        self.num_restarts = 0
+        self._closing = False
         self.info: dict[str, Any] = {}
         self.dead_reason: str | None = "engine not started"
         self._queues: dict[str, asyncio.Queue[Any]] = {}
@@ -43,8 +47,15 @@ class EngineClient:
         self._ctx = zmq.asyncio.Context()
         self._dir = tempfile.mkdtemp(prefix="radixgen-")
         os.chmod(self._dir, 0o700)
-        self._requests_addr = f"ipc://{self._dir}/requests"
-        self._outputs_addr = f"ipc://{self._dir}/outputs"
+        self._generation = 0
+        self._bind()
+
+    def _bind(self) -> None:
+        """Fresh sockets for each engine process: messages queued for a dead one (adds, aborts of
+        requests that already failed) must not reach its successor."""
+        self._generation += 1
+        self._requests_addr = f"ipc://{self._dir}/requests-{self._generation}"
+        self._outputs_addr = f"ipc://{self._dir}/outputs-{self._generation}"
         self._to_engine = self._ctx.socket(zmq.PUSH)
         self._to_engine.bind(self._requests_addr)
         self._from_engine = self._ctx.socket(zmq.PULL)
@@ -76,6 +87,7 @@ class EngineClient:
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._watch_process())]
 
     async def shutdown(self) -> None:
+        self._closing = True
         with contextlib.suppress(zmq.ZMQError):
             await self._to_engine.send_pyobj(("shutdown", None))
         if self._process is not None:
@@ -170,4 +182,25 @@ class EngineClient:
                 for waiter in self._stats_waiters.values():
                     if not waiter.done():
                         waiter.set_exception(EngineDeadError(self.dead_reason))
+                if self.restarts_left > 0 and not self._closing:
+                    await self._restart()
                 return
+
+    async def _restart(self) -> None:
+        """Start a new engine process; until it is ready, requests get 503 (``dead_reason``)."""
+        self.restarts_left -= 1
+        self.num_restarts += 1
+        logger.warning("restarting the engine process (%d restarts left after this one)", self.restarts_left)
+        receive = self._tasks[0]
+        receive.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await receive
+        self._to_engine.close(linger=0)
+        self._from_engine.close(linger=0)
+        self._bind()
+        self.dead_reason = "the engine process is restarting"
+        try:
+            await self.start()
+        except EngineDeadError as e:
+            self.dead_reason = f"the engine process could not be restarted: {e}"
+            logger.error(self.dead_reason)

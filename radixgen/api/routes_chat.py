@@ -97,7 +97,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     top = req.top_logprobs or 0
     if top and not req.logprobs:
         raise InvalidParamsError("top_logprobs needs logprobs=true")
-    params = [build_params(req, len(prompt_ids), client.info["max_context_len"], max_tokens=max_tokens,
+    params = [build_params(req, len(prompt_ids), client.info, max_tokens=max_tokens,
                            logprobs=req.logprobs, top_logprobs=top, seed_offset=i, constraint=constraint)
               for i in range(req.n)]
     base_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"

@@ -72,13 +72,12 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     state = request.app.state
     client: EngineClient = state.client
     prompts = _completion_prompts(state.tokenizer, req.prompt)
-    max_context = client.info["max_context_len"]
     top = req.logprobs or 0
     jobs = []
     base_id = f"cmpl-{uuid.uuid4().hex[:24]}"
     for p_index, ids in enumerate(prompts):
         for j in range(req.n):
-            params = build_params(req, len(ids), max_context, max_tokens=req.max_tokens or 16,
+            params = build_params(req, len(ids), client.info, max_tokens=req.max_tokens or 16,
                                   logprobs=req.logprobs is not None, top_logprobs=top, seed_offset=j,
                                   constraint=constraint)
             jobs.append((f"{base_id}-{p_index}-{j}", ids, params))
@@ -156,9 +155,10 @@ async def generate(req: GenerateRequest, request: Request) -> Any:
     room = client.info["max_context_len"] - len(ids)
     if max_new is not None and max_new > room:
         raise PromptTooLongError(f"max_new_tokens {max_new} does not fit after the {len(ids)}-token prompt "
-                                 f"(context {client.info['max_context_len']})")
+                                 f"(context {client.info['max_context_len']}, max_context_len)")
     try:
-        params = SamplingParams(max_new_tokens=max_new or min(room, 128), **sp)
+        params = SamplingParams(max_new_tokens=max_new or min(room, 128, client.info.get("max_new_tokens_limit") or room),
+                                **sp)
     except TypeError as e:
         raise InvalidParamsError(f"sampling_params: {e}") from None
     rid = req.request_id or f"gen-{uuid.uuid4().hex[:24]}"

@@ -48,7 +48,7 @@ def create_app(config: ServerConfig, *, client: EngineClient | None = None) -> F
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         from transformers import AutoTokenizer
 
-        engine = client or EngineClient(config)
+        engine = client or EngineClient(config, restarts=config.engine_restarts)
         await engine.start()
         app.state.client = engine
         app.state.tokenizer = AutoTokenizer.from_pretrained(engine.info["model_path"])

@@ -78,19 +78,22 @@ def constraint_fields(req: Any) -> dict[str, Any]:
     return fields
 
 
-def build_params(req: SamplingFields, prompt_len: int, max_context: int, *, max_tokens: int | None,
+def build_params(req: SamplingFields, prompt_len: int, engine_info: dict[str, Any], *, max_tokens: int | None,
                  logprobs: bool = False, top_logprobs: int = 0, seed_offset: int = 0,
                  constraint: dict[str, Any] | None = None) -> SamplingParams:
+    max_context = engine_info["max_context_len"]
     room = max_context - prompt_len
     if room < 1:
-        raise PromptTooLongError(f"the prompt has {prompt_len} tokens; the context holds {max_context}: shorten it")
+        raise PromptTooLongError(f"the prompt has {prompt_len} tokens; the context holds {max_context} "
+                                 f"(max_context_len): shorten it")
     if max_tokens is not None and max_tokens > room:
         raise PromptTooLongError(
             f"max_tokens is {max_tokens} but only {room} tokens fit after the {prompt_len}-token prompt "
-            f"(context {max_context}): lower max_tokens or shorten the prompt"
+            f"(context {max_context}, max_context_len): lower max_tokens or shorten the prompt"
         )
+    cap = engine_info.get("max_new_tokens_limit")
     return SamplingParams(
-        max_new_tokens=max_tokens or room,
+        max_new_tokens=max_tokens or (room if cap is None else min(room, cap)),
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=-1 if req.top_k is None else req.top_k,

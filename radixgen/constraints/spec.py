@@ -11,7 +11,9 @@ from radixgen.errors import InvalidConstraintError
 
 ConstraintKind = Literal["regex", "json_schema", "choices", "json_object"]
 
-MAX_SCHEMA_BYTES = 256 * 1024
+MAX_SCHEMA_DEPTH = 64
+"""Deepest JSON nesting a schema may have: recursive walks (ours, the compilers', the
+validators') stay far from Python's recursion limit. The engine may set a lower limit."""
 
 
 @dataclass(frozen=True)
@@ -56,23 +58,36 @@ def schema_spec(schema: Any) -> ConstraintSpec:
     if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
         schema = schema.model_json_schema()
     if isinstance(schema, str):
-        if len(schema) > MAX_SCHEMA_BYTES:
-            raise InvalidConstraintError(f"json_schema is {len(schema)} bytes; the limit is {MAX_SCHEMA_BYTES}")
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise InvalidConstraintError(f"json_schema is not valid JSON: {e}") from None
+        except RecursionError:
+            raise InvalidConstraintError(f"json_schema nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
         raise InvalidConstraintError(f"json_schema must be an object (dict), got {type(schema).__name__}")
+    depth = json_depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise InvalidConstraintError(f"json_schema nests {depth} levels deep; the limit is {MAX_SCHEMA_DEPTH}")
     # key order is kept: property order is the order the fields are generated in
     text = json.dumps(schema, separators=(",", ":"))
-    if len(text) > MAX_SCHEMA_BYTES:
-        raise InvalidConstraintError(f"json_schema is {len(text)} bytes; the limit is {MAX_SCHEMA_BYTES}")
     _check_schema_types(schema, "$")
     _check_refs_are_local(schema)
     return ConstraintSpec("json_schema", text)
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of a JSON value (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, depth + 1)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _check_refs_are_local(schema: dict[str, Any]) -> None:

@@ -23,16 +23,21 @@ import numpy as np
 import torch
 
 from radixgen.config import EngineConfig
-from radixgen.constraints import (
-    Grammar,
-)
+from radixgen.constraints import Grammar
+from radixgen.constraints.spec import json_depth
 from radixgen.engine.batch import StepKind, StepPlan
 from radixgen.engine.constrained import ConstrainedDecoding
 from radixgen.engine.model_runner import ModelRunner, split_prompt_scores
 from radixgen.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from radixgen.engine.sampler import Sampler, SamplingBatchCache
 from radixgen.engine.scheduler import Scheduler
-from radixgen.errors import EngineDeadError, InvalidParamsError, OverloadedError, PromptTooLongError
+from radixgen.errors import (
+    EngineDeadError,
+    InvalidConstraintError,
+    InvalidParamsError,
+    OverloadedError,
+    PromptTooLongError,
+)
 from radixgen.models import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -163,7 +168,7 @@ class Engine:
         self._check_alive()
         params = params or SamplingParams()
         prompt_ids = self.tokenize(prompt)
-        self._check_length(prompt_ids, params)
+        self._check_limits(prompt_ids, params)
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         with self._lock:
             if len(self._active_ids) >= self.config.max_queued_requests:
@@ -305,15 +310,27 @@ class Engine:
         if self._dead_reason is not None or self._stopped.is_set():
             raise EngineDeadError(f"the engine is not running: {self._dead_reason or 'shut down'}")
 
-    def _check_length(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _check_limits(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise InvalidParamsError("the prompt is empty; give at least one token")
+        cap = self.config.max_new_tokens_limit
+        if cap is not None and params.max_new_tokens > cap:
+            raise InvalidParamsError(f"max_new_tokens is {params.max_new_tokens}; the limit (max_new_tokens_limit) is {cap}")
         limit = self.runner.pool.max_context_len
         if len(prompt_ids) + params.max_new_tokens > limit:
             raise PromptTooLongError(
-                f"prompt has {len(prompt_ids)} tokens and max_new_tokens is {params.max_new_tokens}; "
-                f"together they must fit the context of {limit} tokens: shorten the prompt or lower max_new_tokens"
+                f"prompt has {len(prompt_ids)} tokens and max_new_tokens is {params.max_new_tokens}; together they "
+                f"must fit the context of {limit} tokens (max_context_len): shorten the prompt or lower max_new_tokens"
             )
+        spec = params.constraint
+        if spec is not None and spec.kind == "json_schema":
+            if len(spec.value) > self.config.max_schema_bytes:
+                raise InvalidConstraintError(f"json_schema is {len(spec.value)} bytes; the limit (max_schema_bytes) "
+                                             f"is {self.config.max_schema_bytes}")
+            depth = json_depth(spec.schema())
+            if depth > self.config.max_schema_depth:
+                raise InvalidConstraintError(f"json_schema nests {depth} levels deep; the limit (max_schema_depth) "
+                                             f"is {self.config.max_schema_depth}")
         start = params.prompt_logprob_start
         if start is not None and start > len(prompt_ids):
             raise InvalidParamsError(

@@ -51,6 +51,7 @@ def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: 
     info = {
         "max_context_len": engine.runner.pool.max_context_len, "kv_slots": engine.runner.pool.num_slots,
         "vocab_size": engine.model_config.vocab_size, "model_path": str(engine.model_path),
+        "max_new_tokens_limit": config.max_new_tokens_limit,
     }
     send(("ready", info))
     try:

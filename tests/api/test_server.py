@@ -178,7 +178,7 @@ def test_api_key_and_queue_limit(start_server: Callable[..., LiveServer], monkey
 
 
 def test_engine_death_gives_503_not_a_hang(start_server: Callable[..., LiveServer]) -> None:
-    srv = start_server()
+    srv = start_server("--engine-restarts", "0")
     pid = srv.stats()["engine_pid"]
 
     async def in_flight() -> httpx.Response:
@@ -197,6 +197,43 @@ def test_engine_death_gives_503_not_a_hang(start_server: Callable[..., LiveServe
     assert time.monotonic() - start < 30
     assert httpx.get(srv.url + "/health").status_code == 503
     assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}).status_code == 503
+
+
+def test_a_crashed_engine_is_restarted_and_serves_again(start_server: Callable[..., LiveServer]) -> None:
+    srv = start_server("--engine-restarts", "1")
+    pid = srv.stats()["engine_pid"]
+
+    async def scenario() -> tuple[httpx.Response, list[str]]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            plain = asyncio.create_task(http.post(srv.url + "/v1/completions",
+                                                  json={"prompt": "go", "max_tokens": 900, "ignore_eos": True}))
+            events: list[str] = []
+
+            async def streamed() -> None:
+                body = {"prompt": "go on", "max_tokens": 900, "ignore_eos": True, "stream": True}
+                async with http.stream("POST", srv.url + "/v1/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line)
+
+            stream = asyncio.create_task(streamed())
+            await asyncio.sleep(1.0)
+            os.kill(pid, signal.SIGKILL)
+            await asyncio.wait_for(stream, 30)
+            return await asyncio.wait_for(plain, 30), events
+
+    resp, events = asyncio.run(scenario())
+    assert resp.status_code == 503 and resp.json()["error"]["type"] == "service_unavailable"
+    assert any('"error"' in e and "engine" in e for e in events), events[-3:]
+    deadline = time.monotonic() + 120
+    while httpx.get(srv.url + "/health").status_code != 200:
+        assert time.monotonic() < deadline, "the engine did not come back"
+        time.sleep(0.5)
+    again = httpx.post(srv.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 5}, timeout=60)
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 5
+    stats = srv.wait_idle()
+    assert stats["engine_pid"] != pid
+    assert stats["held_by_requests"] == 0 and stats["free"] + stats["held_by_tree"] == stats["pool_size"]
 
 
 COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
