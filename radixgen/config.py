@@ -73,7 +73,7 @@ class ServerConfig(EngineConfig):
     """Loopback by default; binding elsewhere is an explicit choice."""
     port: int = 30000
     served_model_name: str = field(default="SmolLM2-135M-Instruct")
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     """When set, every endpoint but /health needs 'Authorization: Bearer <key>'. The environment
     variable RADIXGEN_API_KEY is used when the flag is absent (keeps the key out of `ps`)."""
     max_request_bytes: int = 4 * 2**20

@@ -36,8 +36,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                self.log.seek(0)
-                output = self.log.read()
+                output = self.output()
                 raise RuntimeError(f"radixgen serve exited with {self.proc.returncode}:\n{output[-4000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
@@ -50,6 +49,16 @@ class ServerProcess:
                 raise TimeoutError(f"radixgen serve did not become healthy within {timeout:.0f} s")
             time.sleep(0.3)
 
+    def output(self) -> str:
+        """Everything the server printed so far (kept after ``stop``)."""
+        if self.log.closed:
+            return self._final_output
+        self.log.flush()
+        self.log.seek(0)
+        text = self.log.read()
+        self.log.seek(0, 2)
+        return text
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -58,7 +67,9 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-        self.log.close()
+        if not self.log.closed:
+            self._final_output = self.output()
+            self.log.close()
 
     def __enter__(self) -> ServerProcess:
         return self

@@ -72,6 +72,11 @@ class ConstrainedDecoding:
             banned = req.bans.get(len(req.output_ids))
             if banned:
                 ban_tokens(mask[i], banned)
+            if not mask[i].any():  # nothing may follow: whatever is sampled will be rejected
+                req.dead_end = (
+                    "the validators rejected every token that could continue the output here" if banned else
+                    "the constraint reached a state that no token of this model can continue (it may need "
+                    "characters the tokenizer cannot produce): simplify the constraint")
         return torch.from_numpy(mask).to(self.device)
 
     def verify_forced(self, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:

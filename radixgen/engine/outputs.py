@@ -46,6 +46,9 @@ class OutputProcessor:
         matcher = req.matcher
         if matcher is None:  # the common, unconstrained case
             return self._append_one(req, token)
+        if req.dead_end is not None:  # the caller's constraint cannot go on: say so, do not guess
+            req.error, req.user_error = req.dead_end, True
+            return FinishReason.ERROR
         if not matcher.accept(token):
             req.output_ids.append(token)
             req.error = f"internal error: the constraint rejected token {token} that its mask allowed"

@@ -92,11 +92,14 @@ class SamplingParams:
         # Accept a single string / lists for convenience; store tuples (frozen, hashable).
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        elif self.stop is None:
-            object.__setattr__(self, "stop", ())
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        for name in ("stop", "stop_token_ids", "choices"):
+            value = getattr(self, name)
+            if value is None and name != "choices":
+                object.__setattr__(self, name, ())
+            elif isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+            elif value is not None and not isinstance(value, tuple):
+                raise InvalidParamsError(f"{name} must be a list, got {type(value).__name__}")
         self.validate()
         object.__setattr__(self, "constraint", self._constraint_spec())
 
@@ -114,6 +117,11 @@ class SamplingParams:
         return JSON_OBJECT if self.json_object else None
 
     def validate(self) -> None:
+        for flag in ("ignore_eos", "logprobs", "skip_special_tokens", "json_object"):
+            _check(isinstance(getattr(self, flag), bool), flag, "true or false", getattr(self, flag))
+        _check(self.regex is None or isinstance(self.regex, str), "regex", "a string", self.regex)
+        _check(self.choices is None or all(isinstance(c, str) for c in self.choices), "choices", "strings",
+               self.choices)
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
                "max_new_tokens", "an integer >= 1", self.max_new_tokens)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
@@ -234,6 +242,8 @@ class Request:
     pending_rollback: tuple[int, int, str] | None = None
     """(output tokens to keep, position whose token to ban, why) set by a validator rejection."""
     num_rollbacks: int = 0
+    dead_end: str | None = None
+    """Why the constraint (with the validators' bans) allowed no token at this step, if it did not."""
     prompt_logprobs: np.ndarray | None = None
     """[prompt_len - prompt_logprob_start] float32, filled as prefill computes the positions."""
 
