@@ -7,6 +7,9 @@ KV slots are free and no request is left active (DESIGN.md's pool invariant).
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -130,3 +133,32 @@ def _kv_pool_invariant() -> Iterator[None]:
     yield
     for engine in list(_live_engines):
         assert_no_leaks(engine)
+
+
+def _child_processes() -> list[str]:
+    """Live (non-zombie) processes whose parent is this test process."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            children.append(stat.parent.name)
+    return children
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_left_running() -> Iterator[None]:
+    """Set up first, so torn down last: after every engine, server and kernel of the session
+    has been stopped, no engine thread and no child process may remain."""
+    yield
+    deadline = time.monotonic() + 30
+    while True:
+        engines = [t.name for t in threading.enumerate() if t.name.startswith("radixgen-engine") and t.is_alive()]
+        children = _child_processes() if sys.platform == "linux" else []
+        if not engines and not children:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"left running after the tests: threads {engines}, child processes {children}")
+        time.sleep(0.5)

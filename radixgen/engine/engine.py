@@ -368,7 +368,10 @@ class Engine:
                 self._add_compiled(*payload)
             elif kind == "abort":
                 if not self.scheduler.abort(payload):
-                    self._aborted_while_compiling.add(payload)
+                    with self._lock:  # still compiling, or already gone (then nothing to remember)
+                        compiling = payload in self._active_ids
+                    if compiling:
+                        self._aborted_while_compiling.add(payload)
             elif kind == "call":
                 payload()
             try:
