@@ -5,7 +5,7 @@ shape, and the KV pool is whole afterwards."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -25,8 +25,10 @@ tried: dict[str, int] = {}
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(start_server: Callable[..., LiveServer]) -> LiveServer:
-    return start_server(*FUZZ_ARGS)
+def fuzz_server(start_server: Callable[..., LiveServer]) -> Iterator[LiveServer]:
+    server = start_server(*FUZZ_ARGS)
+    yield server
+    server.stop()
 
 
 def _operations(server: LiveServer) -> list[Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -27,9 +27,11 @@ def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def limited(start_server: Callable[..., LiveServer]) -> LiveServer:
-    return start_server("--max-schema-bytes", "2000", "--max-schema-depth", "9", "--max-new-tokens-limit", "50",
-                        "--max-n", "2", "--max-request-bytes", "60000", "--max-context-len", "512")
+def limited(start_server: Callable[..., LiveServer]) -> Iterator[LiveServer]:
+    server = start_server("--max-schema-bytes", "2000", "--max-schema-depth", "9", "--max-new-tokens-limit", "50",
+                          "--max-n", "2", "--max-request-bytes", "60000", "--max-context-len", "512")
+    yield server
+    server.stop()
 
 
 @pytest.mark.parametrize(("body", "status", "names"), [

@@ -175,6 +175,7 @@ def test_api_key_and_queue_limit(start_server: Callable[..., LiveServer], monkey
     assert codes.count(429) >= 1 and codes.count(200) >= 2, codes
     limited = next(r for r in asyncio.run(flood()) if r.status_code == 429)
     assert limited.headers.get("retry-after") and limited.json()["error"]["type"] == "rate_limit_error"
+    srv.stop()
 
 
 def test_engine_death_gives_503_not_a_hang(start_server: Callable[..., LiveServer]) -> None:
@@ -197,6 +198,7 @@ def test_engine_death_gives_503_not_a_hang(start_server: Callable[..., LiveServe
     assert time.monotonic() - start < 30
     assert httpx.get(srv.url + "/health").status_code == 503
     assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}).status_code == 503
+    srv.stop()
 
 
 def test_a_crashed_engine_is_restarted_and_serves_again(start_server: Callable[..., LiveServer]) -> None:
@@ -234,6 +236,7 @@ def test_a_crashed_engine_is_restarted_and_serves_again(start_server: Callable[.
     stats = srv.wait_idle()
     assert stats["engine_pid"] != pid
     assert stats["held_by_requests"] == 0 and stats["free"] + stats["held_by_tree"] == stats["pool_size"]
+    srv.stop()
 
 
 COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},

@@ -23,3 +23,4 @@ def test_short_soak_loses_nothing(start_server: Callable[..., LiveServer]) -> No
     stats = check_server(server.url)
     assert stats["kv_balanced"] and stats["healthy"], stats
     assert stats["evicted_tokens"] > 0, "the pool was small enough to evict"
+    server.stop()
