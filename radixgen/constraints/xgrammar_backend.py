@@ -51,6 +51,32 @@ class XGrammarGrammar(Grammar):
         return XGrammarMatcher(self.compiled)
 
 
+# Numbers without bounds are generated within +-10^15 (at most 15 integer digits; a range also
+# makes xgrammar bound the fraction to 6 digits): a small model sampling at temperature 1 would
+# otherwise write digits until max_tokens. Validators still see the caller's own schema.
+_INTEGER_BOUND = 10**15 - 1
+_NUMBER_BOUND = 1e15
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def bound_numbers(schema: Any) -> Any:
+    """A copy of ``schema`` whose integer and number schemas without a lower or upper bound get one."""
+    if isinstance(schema, list):
+        return [bound_numbers(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in _DATA_KEYWORDS else bound_numbers(value) for key, value in schema.items()}
+    types = out.get("type")
+    types = types if isinstance(types, list) else [types]
+    if ("integer" in types or "number" in types) and not {"enum", "const"} & out.keys():
+        bound = _INTEGER_BOUND if "number" not in types else _NUMBER_BOUND
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -bound
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = bound
+    return out
+
+
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
@@ -65,7 +91,8 @@ class XGrammarBackend(GrammarBackend):
                 compiled = self._compiler.compile_regex(spec.value)
             elif spec.kind == "json_schema":
                 compiled = self._compiler.compile_json_schema(
-                    spec.value, any_whitespace=False, separators=_SEPARATORS, strict_mode=True
+                    json.dumps(bound_numbers(spec.schema())), any_whitespace=False, separators=_SEPARATORS,
+                    strict_mode=True,
                 )
             elif spec.kind == "json_object":
                 compiled = self._compiler.compile_json_schema(

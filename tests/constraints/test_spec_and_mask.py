@@ -135,3 +135,26 @@ def test_compiles_are_cached(service: GrammarService) -> None:
     first = service.compile(spec)
     misses = service.misses
     assert service.compile(spec) is first and service.misses == misses
+
+
+def test_unbounded_numbers_get_bounds_in_the_grammar_only(service: GrammarService, tokenizer: Any) -> None:
+    from radixgen.constraints.xgrammar_backend import bound_numbers
+
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer"}, "x": {"type": ["number", "null"], "minimum": 0},
+        "k": {"type": "integer", "enum": [10**20]}, "d": {"const": {"type": "integer"}}}}
+    bounded = bound_numbers(schema)
+    props = bounded["properties"]
+    assert props["n"]["minimum"] == -(10**15 - 1) and props["n"]["maximum"] == 10**15 - 1
+    assert props["x"]["minimum"] == 0 and props["x"]["maximum"] == 1e15, "a given bound is kept"
+    assert "minimum" not in props["k"] and props["d"] == {"const": {"type": "integer"}}, "data is not a schema"
+    assert schema["properties"]["n"] == {"type": "integer"}, "the caller's schema is not touched"
+
+    matcher = service.compile(schema_spec({"type": "integer"})).matcher()
+    digits = [tokenizer.encode(d, add_special_tokens=False)[0] for d in "1234567890123456"]
+    accepted = 0
+    for token in digits:
+        if not matcher.accept(token):
+            break
+        accepted += 1
+    assert accepted == 15, "at most 15 digits: a sampling model cannot write digits until max_tokens"
