@@ -91,6 +91,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_serving(args: argparse.Namespace) -> int:
+    from radixgen.bench.cli import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixgen", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--synthetic", type=int, default=0, help="instead of a file, a synthetic trace of N requests")
     add_config_flags(sim)
     sim.set_defaults(func=_cmd_simulate)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    serving = bench.add_parser("serving", help="a realistic streaming load against an OpenAI-compatible URL")
+    from radixgen.bench.cli import add_arguments
+
+    add_arguments(serving)
+    serving.add_argument("--log-level", default="warning")
+    serving.set_defaults(func=_cmd_bench_serving)
     return parser
 
 
