@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,6 +30,13 @@ MAX_REGEX_POSITIONS = 4096
 """Largest regex, counted with repetitions unrolled: interegular's check and the compilers'
 automata grow with it. Measured here: a{3000} took 0.4 s to check, a{10000} 4 s, an alternation of
 1000 eight-letter words (9000 positions) 9 s."""
+
+MAX_REGEX_STATES = 5000
+"""States interegular may build to check a regex (across its intermediate automata). Measured
+here: a 250-word alternation needs 4984 (0.85 s), a{1000} 4009; .+\\s{100} needs 10,520 (1.5 s)
+and .+\\s{1000} more than we waited for: the check runs on the caller's thread (the server's
+event loop), so it must be bounded in work, not only in the regex's size."""
+MAX_REGEX_CHECK_S = 1.0
 
 MAX_SCHEMA_DEPTH = 64
 """Deepest JSON nesting a schema may have: recursive walks (ours, the compilers', the
@@ -65,7 +76,13 @@ def regex_spec(pattern: str) -> ConstraintSpec:
                 f"regex {pattern[:80]!r} expands to about {size} positions once its repetitions are unrolled; the "
                 f"limit is {MAX_REGEX_POSITIONS}: use smaller counts ('+' instead of '{{1,5000}}'), or choices for a "
                 f"long list of alternatives")
-        fsm = interegular.parse_pattern(pattern).to_fsm()
+        with _state_budget(MAX_REGEX_STATES, MAX_REGEX_CHECK_S):
+            fsm = interegular.parse_pattern(pattern).to_fsm()
+    except _StateBudgetExceeded:
+        raise InvalidConstraintError(
+            f"regex {pattern[:80]!r} needs an automaton of more than {MAX_REGEX_STATES} states to check; simplify "
+            f"it (overlapping repeats such as '.+\\s{{100}}' grow it fastest), or use choices for a long list of "
+            f"alternatives") from None
     except (re.error, interegular.patterns.InvalidSyntax) as e:
         raise InvalidConstraintError(f"regex {pattern!r} is not valid: {e or 'syntax error'}") from None
     except interegular.patterns.Unsupported as e:
@@ -73,6 +90,50 @@ def regex_spec(pattern: str) -> ConstraintSpec:
     if fsm.empty():
         raise InvalidConstraintError(f"regex {pattern!r} matches no string at all; nothing could be generated")
     return ConstraintSpec("regex", pattern)
+
+
+class _StateBudgetExceeded(Exception):
+    pass
+
+
+_budget = threading.local()
+_budget_installed = False
+_budget_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _state_budget(states: int, seconds: float) -> Iterator[None]:
+    """Bound the states interegular may build on this thread, and its time. Its determinisation
+    can grow exponentially and cannot be interrupted, so every state its ``crawl`` discovers is
+    counted and the check is abandoned past the budget (interegular 0.3 builds every automaton
+    through ``interegular.fsm.crawl``). States give the same answer on every machine; the time
+    cap only backs them up, since large states cost more each."""
+    global _budget_installed
+    with _budget_lock:
+        if not _budget_installed:
+            import interegular.fsm as fsm_module
+
+            unbounded = fsm_module.crawl
+
+            def crawl(alphabet: Any, initial: Any, final: Any, follow: Any) -> Any:
+                if getattr(_budget, "left", None) is None:
+                    return unbounded(alphabet, initial, final, follow)
+
+                def counted_final(state: Any) -> Any:  # called once per discovered state
+                    _budget.left -= 1
+                    if _budget.left < 0 or time.monotonic() > _budget.deadline:
+                        raise _StateBudgetExceeded
+                    return final(state)
+
+                return unbounded(alphabet, initial, counted_final, follow)
+
+            fsm_module.crawl = crawl
+            _budget_installed = True
+    _budget.left, _budget.deadline = states, time.monotonic() + seconds
+    try:
+        yield
+    finally:
+        _budget.left = None
 
 
 def _expanded_size(parsed: Any) -> int:

@@ -158,3 +158,14 @@ def test_unbounded_numbers_get_bounds_in_the_grammar_only(service: GrammarServic
             break
         accepted += 1
     assert accepted == 15, "at most 15 digits: a sampling model cannot write digits until max_tokens"
+
+
+@pytest.mark.parametrize("pattern", [r".+\s{1000}", r"(a|b)*a(a|b){20}", "a{99999}"])
+def test_regexes_whose_check_would_not_end_are_refused_quickly(pattern: str) -> None:
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(InvalidConstraintError, match="states to check|positions"):
+        regex_spec(pattern)
+    assert time.monotonic() - start < 5, "the check is bounded in work (interegular alone took minutes)"
+    assert regex_spec(r"[a-z]+@[a-z]+\.com").kind == "regex", "the budget is per call: ordinary regexes still pass"
