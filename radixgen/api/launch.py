@@ -22,22 +22,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class ServerProcess:
-    def __init__(self, *args: str, model: str | None = None, port: int | None = None, timeout: float = 600.0) -> None:
-        """``args`` are more ``radixgen serve`` flags; waits until ``/health`` answers."""
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "radixgen.api.cli", "serve", "--port", str(self.port), "--log-level", "warning"]
-        cmd += ["--model", model] if model else []
+class ChildServer:
+    """Any HTTP server started as a command on a loopback port: waits until ``/health`` answers,
+    keeps its output, stops it on exit (radixgen, or a peer in the serving comparison)."""
+
+    def __init__(self, cmd: list[str], port: int, *, env: dict[str, str] | None = None, timeout: float = 600.0) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        name = " ".join(cmd[1:4] if cmd[0] == sys.executable else cmd[:2])
         # a file, not a pipe: a pipe nobody reads would block the server once it fills
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - open while the server runs
-        self.proc = subprocess.Popen([*cmd, *args], stdout=self.log, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                output = self.output()
-                raise RuntimeError(f"radixgen serve exited with {self.proc.returncode}:\n{output[-4000:]}")
+                raise RuntimeError(f"{name} exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
                     if response.status == 200:
@@ -46,7 +46,7 @@ class ServerProcess:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"radixgen serve did not become healthy within {timeout:.0f} s")
+                raise TimeoutError(f"{name} did not become healthy within {timeout:.0f} s")
             time.sleep(0.3)
 
     def output(self) -> str:
@@ -71,11 +71,19 @@ class ServerProcess:
             self._final_output = self.output()
             self.log.close()
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self) -> ChildServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class ServerProcess(ChildServer):
+    def __init__(self, *args: str, model: str | None = None, port: int | None = None, timeout: float = 600.0) -> None:
+        """``args`` are more ``radixgen serve`` flags."""
+        port = port or free_port()
+        cmd = [sys.executable, "-m", "radixgen.api.cli", "serve", "--port", str(port), "--log-level", "warning"]
+        super().__init__([*cmd, *(["--model", model] if model else []), *args], port, timeout=timeout)
 
 
 def launch_server(*args: str, model: str | None = None, port: int | None = None) -> ServerProcess:
