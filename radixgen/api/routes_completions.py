@@ -192,13 +192,12 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
 async def model_info(request: Request) -> dict[str, Any]:
     """What the DSL's Endpoint needs: the context size and the chat template's role markers."""
     state = request.app.state
-    if getattr(state, "chat_roles", None) is None:
-        try:
-            state.chat_roles = role_markers(state.tokenizer).to_json()
-        except ValueError:
-            state.chat_roles = {}
+    try:  # cheap (three template renders) and only the DSL asks, once per Endpoint
+        roles: dict[str, Any] | None = role_markers(state.tokenizer).to_json()
+    except ValueError:  # a model without a chat template: no role blocks
+        roles = None
     return {"model": state.config.served_model_name, "max_context_len": state.client.info["max_context_len"],
-            "chat_roles": state.chat_roles or None}
+            "chat_roles": roles}
 
 
 def _meta(out: RequestOutput) -> dict[str, Any]:

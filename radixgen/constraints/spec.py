@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from radixgen.errors import InvalidConstraintError
@@ -48,6 +48,8 @@ class ConstraintSpec:
     kind: ConstraintKind
     value: str
     """The regex, the schema as canonical JSON, the choices as a JSON list, or '' for json_object."""
+    depth: int = field(default=0, compare=False)
+    """JSON nesting depth of a schema (measured once here; the engine checks it against its limit)."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -178,7 +180,7 @@ def schema_spec(schema: Any) -> ConstraintSpec:
     _check_schema_types(schema, "$")
     _check_patterns(schema)
     _check_refs_are_local(schema)
-    return ConstraintSpec("json_schema", text)
+    return ConstraintSpec("json_schema", text, depth)
 
 
 def _check_patterns(schema: Any) -> None:

@@ -24,7 +24,6 @@ import torch
 
 from radixgen.config import EngineConfig
 from radixgen.constraints import Grammar
-from radixgen.constraints.spec import json_depth
 from radixgen.engine.batch import StepKind, StepPlan
 from radixgen.engine.constrained import ConstrainedDecoding
 from radixgen.engine.model_runner import ModelRunner, split_prompt_scores
@@ -327,9 +326,8 @@ class Engine:
             if len(spec.value) > self.config.max_schema_bytes:
                 raise InvalidConstraintError(f"json_schema is {len(spec.value)} bytes; the limit (max_schema_bytes) "
                                              f"is {self.config.max_schema_bytes}")
-            depth = json_depth(spec.schema())
-            if depth > self.config.max_schema_depth:
-                raise InvalidConstraintError(f"json_schema nests {depth} levels deep; the limit (max_schema_depth) "
+            if spec.depth > self.config.max_schema_depth:
+                raise InvalidConstraintError(f"json_schema nests {spec.depth} levels deep; the limit (max_schema_depth) "
                                              f"is {self.config.max_schema_depth}")
         start = params.prompt_logprob_start
         if start is not None and start > len(prompt_ids):

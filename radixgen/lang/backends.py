@@ -186,8 +186,6 @@ class Endpoint(Backend):
         schema = wire.get("json_schema")
         if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
             wire["json_schema"] = schema.model_json_schema()
-        if isinstance(wire.get("stop"), tuple) or isinstance(wire.get("choices"), tuple):
-            wire = {k: list(v) if isinstance(v, tuple) else v for k, v in wire.items()}
         return wire
 
     @staticmethod
@@ -239,6 +237,8 @@ class Endpoint(Backend):
             info = self._json(self._http.get("/model_info"))
         except httpx.TransportError as e:
             raise ConnectionError(f"cannot reach the radixgen server at {self.base_url}: {e}") from e
+        if info.get("chat_roles") is None:
+            raise ValueError("the server's model has no chat template; role blocks need one")
         return RoleMarkers.from_json(info["chat_roles"])
 
     def close(self) -> None:

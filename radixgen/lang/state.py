@@ -207,7 +207,7 @@ class ProgramState:
         params = {"max_new_tokens": 128, **self._defaults, **item.params}
         if "seed" not in params and self._seeds is not None:
             params["seed"] = self._seeds.getrandbits(63)
-        result = self.backend.generate(self._text, params, on_text=self._stream_text if self._stream else None)
+        result = self.backend.generate(self._text, params, on_text=self._append if self._stream else None)
         if self._stream is None:
             self._text += result.text
         if params.get("json_schema") is not None and result.meta.get("finish_reason") == "length":
@@ -216,9 +216,6 @@ class ProgramState:
         if item.name is not None:
             self._vars[item.name] = _parse(result.text, params.get("json_schema"))
             self._meta[item.name] = result.meta
-
-    def _stream_text(self, delta: str) -> None:
-        self._append(delta)
 
     def _select(self, item: Select) -> None:
         results = self.backend.score_choices(self._text, item.choices)

@@ -22,7 +22,7 @@ def test_loopback_by_default_and_the_key_out_of_reprs() -> None:
 
 
 def test_every_route_but_health_needs_the_key_and_the_key_is_never_logged(
-    start_server: Callable[..., LiveServer], monkeypatch: pytest.MonkeyPatch
+    start_server: Callable[..., LiveServer],
 ) -> None:
     server = start_server("--log-level", "debug", api_key=KEY)
     routes = [("GET", path) for path in ("/v1/models", "/metrics", "/internal/stats", "/model_info",
