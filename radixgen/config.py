@@ -43,7 +43,12 @@ class EngineConfig:
     """lpm: longest cached prefix first (fcfs when the queue is long); fcfs: arrival order."""
     disable_radix_cache: bool = False
     grammar_backend: str = "auto"
-    """Constraint compiler: auto (fastest installed with full coverage) or xgrammar."""
+    """Constraint compiler: auto (xgrammar for regexes and the JSON Schema subset real APIs use,
+    llguidance for the rest; measured in constraints/auto_backend.py), xgrammar or llguidance."""
+    json_open_objects: bool = False
+    """Let JSON output carry properties its schema does not declare wherever the schema allows
+    them (JSON Schema's own reading). Off: only declared properties are generated, as in SGLang
+    and vLLM; a schema that sets additionalProperties or patternProperties is followed either way."""
     grammar_compile_timeout_s: float = 30.0
     max_schema_bytes: int = 256 * 1024
     """Largest JSON schema (compact JSON) a request may give."""

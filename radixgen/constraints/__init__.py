@@ -20,25 +20,31 @@ from radixgen.constraints.spec import (
 # name -> "module:class"; heavy backends are imported only when chosen.
 BACKENDS = {
     "xgrammar": "radixgen.constraints.xgrammar_backend:XGrammarBackend",
+    "llguidance": "radixgen.constraints.llguidance_backend:LLGuidanceBackend",
 }
-# "auto" takes the first installed one: ordered by measured compile time and schema coverage.
-_AUTO_ORDER = ["xgrammar"]
+# "auto" routes each constraint to the best installed backend (auto_backend.py explains the measurements).
+_AUTO_MEMBERS = ["xgrammar", "llguidance"]
 
 
-def make_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> GrammarBackend:
+def make_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], *,
+                 open_objects: bool = False) -> GrammarBackend:
     if name == "auto":
-        errors = []
-        for candidate in _AUTO_ORDER:
+        members, errors = [], []
+        for candidate in _AUTO_MEMBERS:
             try:
-                return make_backend(candidate, tokenizer, vocab_size, stop_token_ids)
+                members.append(make_backend(candidate, tokenizer, vocab_size, stop_token_ids, open_objects=open_objects))
             except ImportError as e:
                 errors.append(str(e))
-        raise ImportError("no grammar backend is installed: " + "; ".join(errors))
+        if not members:
+            raise ImportError("no grammar backend is installed: " + "; ".join(errors))
+        from radixgen.constraints.auto_backend import AutoBackend
+
+        return members[0] if len(members) == 1 else AutoBackend(members)
     if name not in BACKENDS:
         raise ValueError(f"grammar_backend must be one of {['auto', *BACKENDS]}, got {name!r}")
     module, cls = BACKENDS[name].split(":")
     backend_cls = getattr(importlib.import_module(module), cls)
-    return backend_cls(tokenizer, vocab_size, stop_token_ids)
+    return backend_cls(tokenizer, vocab_size, stop_token_ids, open_objects=open_objects)
 
 
 __all__ = [

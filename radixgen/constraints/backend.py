@@ -54,10 +54,13 @@ class GrammarBackend(ABC):
 
     name: str
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], *,
+                 open_objects: bool = False) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
+        self.open_objects = open_objects
+        """Generate undeclared properties where a schema allows them (``schema_rewrite.grammar_schema``)."""
 
     @abstractmethod
     def compile(self, spec: ConstraintSpec) -> Grammar:

@@ -1,7 +1,8 @@
 """Score a grammar backend plus our validator layer on JSON-Schema-Test-Suite files.
 
 An instance counts as accepted when the automaton accepts its text (serialized in our style:
-", " and ": " separators, object keys in the schema's property order) followed by the stop
+", " and ": " separators, object keys in the schema's property order, integral numbers without
+a fraction) followed by the stop
 token, and no validator that can steer generation (rollback and resample) rejects it.
 """
 
@@ -47,6 +48,9 @@ def serialize(value: Any, schema: Any, root: dict[str, Any], path: tuple[Any, ..
         return "{" + ", ".join(items) + "}"
     if isinstance(value, list):
         return "[" + ", ".join(serialize(v, schema, root, path + (i,)) for i, v in enumerate(value)) + "]"
+    if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
+        # one text per number: 1.0 and 1 are the same JSON Schema value, written the way we generate it
+        return str(int(value))
     return json.dumps(value, ensure_ascii=False)
 
 

@@ -168,7 +168,7 @@ class SchemaValidators:
         self.root = schema
         self._validator_cls = Draft202012Validator
         self._root_validator = Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
-        self._cache: dict[Path, Any] = {}
+        self._cache: dict[int, Any] = {}  # id of a subschema inside self.root -> its validator
 
     def check(self, path: Path, value: Any) -> str | None:
         """Why ``value`` at ``path`` is invalid, or None."""
@@ -182,16 +182,16 @@ class SchemaValidators:
         return None if error is None else f"{format_path(path + tuple(error.absolute_path))}: {error.message}"
 
     def _for_path(self, path: Path) -> Any:
-        key = tuple("*" if isinstance(p, int) else p for p in path)
-        if key in self._cache:
-            return self._cache[key]
         sub = resolve_subschema(self.root, path)
-        validator = None
-        if isinstance(sub, dict) and sub:
+        if not isinstance(sub, dict) or not sub:
+            return None
+        # keyed by the subschema itself: $[0] and $[1] differ under prefixItems, $[5] and $[6] do not
+        validator = self._cache.get(id(sub))
+        if validator is None:
             # the root's definitions stay reachable for $ref inside the subschema
             with_defs = {**{k: v for k, v in self.root.items() if k in ("$defs", "definitions")}, **sub}
-            validator = self._validator_cls(with_defs, format_checker=self._validator_cls.FORMAT_CHECKER)
-        self._cache[key] = validator
+            validator = self._cache[id(sub)] = self._validator_cls(
+                with_defs, format_checker=self._validator_cls.FORMAT_CHECKER)
         return validator
 
 
@@ -224,11 +224,21 @@ def resolve_subschema(root: dict[str, Any], path: Path) -> Any:
                 node = node.get("items")
         else:
             props = node.get("properties") or {}
+            patterns = node.get("patternProperties") or {}
+            if part not in props and any(_search(p, part) for p in patterns):
+                return None  # a pattern's subschema applies, maybe with others: the parent's check decides
             node = props.get(part) if part in props else node.get("additionalProperties")
         node = _deref(root, node)
         if node is None or node is True:
             return None
     return node
+
+
+def _search(pattern: str, key: str) -> bool:
+    try:
+        return re.search(pattern, key) is not None
+    except re.error:  # a pattern Python's re cannot read: assume it may match
+        return True
 
 
 def _pydantic_field_check(model: Any, name: str | int, value: Any) -> str | None:

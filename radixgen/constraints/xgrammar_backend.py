@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from radixgen.constraints.backend import Grammar, GrammarBackend, Matcher
+from radixgen.constraints.schema_rewrite import grammar_schema
 from radixgen.constraints.spec import ConstraintSpec
 from radixgen.errors import InvalidConstraintError
 
@@ -51,37 +52,12 @@ class XGrammarGrammar(Grammar):
         return XGrammarMatcher(self.compiled)
 
 
-# Numbers without bounds are generated within +-10^15 (at most 15 integer digits; a range also
-# makes xgrammar bound the fraction to 6 digits): a small model sampling at temperature 1 would
-# otherwise write digits until max_tokens. Validators still see the caller's own schema.
-_INTEGER_BOUND = 10**15 - 1
-_NUMBER_BOUND = 1e15
-_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
-
-
-def bound_numbers(schema: Any) -> Any:
-    """A copy of ``schema`` whose integer and number schemas without a lower or upper bound get one."""
-    if isinstance(schema, list):
-        return [bound_numbers(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: value if key in _DATA_KEYWORDS else bound_numbers(value) for key, value in schema.items()}
-    types = out.get("type")
-    types = types if isinstance(types, list) else [types]
-    if ("integer" in types or "number" in types) and not {"enum", "const"} & out.keys():
-        bound = _INTEGER_BOUND if "number" not in types else _NUMBER_BOUND
-        if "minimum" not in out and "exclusiveMinimum" not in out:
-            out["minimum"] = -bound
-        if "maximum" not in out and "exclusiveMaximum" not in out:
-            out["maximum"] = bound
-    return out
-
-
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
-        super().__init__(tokenizer, vocab_size, stop_token_ids)
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], *,
+                 open_objects: bool = False) -> None:
+        super().__init__(tokenizer, vocab_size, stop_token_ids, open_objects=open_objects)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
 
@@ -91,8 +67,8 @@ class XGrammarBackend(GrammarBackend):
                 compiled = self._compiler.compile_regex(spec.value)
             elif spec.kind == "json_schema":
                 compiled = self._compiler.compile_json_schema(
-                    json.dumps(bound_numbers(spec.schema())), any_whitespace=False, separators=_SEPARATORS,
-                    strict_mode=True,
+                    json.dumps(grammar_schema(spec.schema(), open_objects=self.open_objects)), any_whitespace=False, separators=_SEPARATORS,
+                    strict_mode=False,  # closing objects is grammar_schema's decision, the same for every backend
                 )
             elif spec.kind == "json_object":
                 compiled = self._compiler.compile_json_schema(

@@ -36,7 +36,8 @@ class ConstrainedDecoding:
         """The compiler service, created on first use (building the tokenizer index costs ~1 s)."""
         with self._lock:
             if self._service is None:
-                backend = make_backend(self.config.grammar_backend, self.tokenizer, self.vocab_size, self.stop_token_ids)
+                backend = make_backend(self.config.grammar_backend, self.tokenizer, self.vocab_size, self.stop_token_ids,
+                                       open_objects=self.config.json_open_objects)
                 self._service = GrammarService(backend, timeout_s=self.config.grammar_compile_timeout_s)
             return self._service
 

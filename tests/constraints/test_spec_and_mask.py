@@ -67,9 +67,10 @@ def test_apply_bitmask_matches_a_reference() -> None:
     assert torch.equal(masked[torch.from_numpy(allowed)], logits[torch.from_numpy(allowed)])
 
 
-@pytest.fixture(scope="module")
-def service(tokenizer: Any) -> GrammarService:
-    return GrammarService(make_backend("auto", tokenizer, 49152, [tokenizer.eos_token_id]))
+@pytest.fixture(scope="module", params=["auto", "xgrammar", "llguidance"])
+def service(tokenizer: Any, request: pytest.FixtureRequest) -> GrammarService:
+    """Every backend keeps the matcher contract the engine relies on (the tests below run on each)."""
+    return GrammarService(make_backend(request.param, tokenizer, 49152, [tokenizer.eos_token_id]))
 
 
 def random_walk(service: GrammarService, tokenizer: Any, spec: Any, seed: int, max_tokens: int = 120) -> tuple[str, bool]:
@@ -100,12 +101,19 @@ SCHEMAS = [
     {"type": "object", "properties": {"point": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
                                                 "required": ["x", "y"]}, "ok": {"type": "boolean"}}, "required": ["point", "ok"]},
     {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"}}, "required": ["id"]},
+    # outside xgrammar's faithful subset: auto routes it to llguidance
+    {"type": "object", "properties": {"kind": {"enum": ["a", {"b": 1}]}}, "required": ["kind"],
+     "patternProperties": {"^x[0-9]$": {"type": "boolean"}}, "additionalProperties": False, "maxProperties": 2},
 ]
 
 
-@pytest.mark.parametrize("schema_index", range(len(SCHEMAS)))
+# JSON Schema without "type": every JSON type is allowed (xgrammar alone would allow only objects)
+TYPELESS = {"properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+
+
+@pytest.mark.parametrize("schema_index", range(len(SCHEMAS) + 1))
 def test_random_walks_through_schema_automata_are_valid_json(service: GrammarService, tokenizer: Any, schema_index: int) -> None:
-    schema = SCHEMAS[schema_index]
+    schema = [*SCHEMAS, TYPELESS][schema_index]
     finished = 0
     for seed in range(8):
         text, done = random_walk(service, tokenizer, schema_spec(schema), seed, max_tokens=200)
@@ -138,7 +146,7 @@ def test_compiles_are_cached(service: GrammarService) -> None:
 
 
 def test_unbounded_numbers_get_bounds_in_the_grammar_only(service: GrammarService, tokenizer: Any) -> None:
-    from radixgen.constraints.xgrammar_backend import bound_numbers
+    from radixgen.constraints.schema_rewrite import bound_numbers
 
     schema = {"type": "object", "properties": {
         "n": {"type": "integer"}, "x": {"type": ["number", "null"], "minimum": 0},
@@ -169,3 +177,26 @@ def test_regexes_whose_check_would_not_end_are_refused_quickly(pattern: str) -> 
         regex_spec(pattern)
     assert time.monotonic() - start < 5, "the check is bounded in work (interegular alone took minutes)"
     assert regex_spec(r"[a-z]+@[a-z]+\.com").kind == "regex", "the budget is per call: ordinary regexes still pass"
+
+
+def test_rollback_restores_the_state_and_the_stop_token_ends(service: GrammarService, tokenizer: Any) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    matcher = service.compile(schema_spec(schema)).matcher()
+    ids = tokenizer.encode('{"ok": true}', add_special_tokens=False)
+    before, after = allocate_bitmask(1, 49152), allocate_bitmask(1, 49152)
+    assert all(matcher.accept(t) for t in ids[:3])
+    matcher.fill_bitmask(before, 0)
+    assert all(matcher.accept(t) for t in ids[3:])
+    matcher.rollback(len(ids) - 3)
+    matcher.fill_bitmask(after, 0)
+    assert np.array_equal(before, after), "rollback returns to the same mask"
+    assert not matcher.accept(tokenizer.encode("}", add_special_tokens=False)[0]), "a refused token is refused"
+    assert all(matcher.accept(t) for t in ids[3:]) and not matcher.is_terminated()
+    assert matcher.accept(tokenizer.eos_token_id) and matcher.is_terminated()
+    matcher.rollback(1)
+    assert not matcher.is_terminated(), "rolling back the stop token reopens the output"
+
+
+def test_forced_string_is_what_the_schema_fixes(service: GrammarService) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    assert service.compile(schema_spec(schema)).matcher().forced_string() == '{"name": "'

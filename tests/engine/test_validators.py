@@ -6,6 +6,7 @@ import json
 from collections.abc import Callable
 
 import jsonschema
+import pytest
 
 from radixgen import Engine, FinishReason, SamplingParams
 
@@ -13,8 +14,9 @@ SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "eel"
           "required": ["kind", "legs"], "additionalProperties": False}
 
 
-def test_user_validator_rejection_resamples_a_valid_value(make_engine: Callable[..., Engine]) -> None:
-    engine = make_engine()
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_user_validator_rejection_resamples_a_valid_value(make_engine: Callable[..., Engine], backend: str) -> None:
+    engine = make_engine(grammar_backend=backend)
     seen: list[str] = []
 
     def not_the_first_choice(kind: str) -> bool:
@@ -30,8 +32,9 @@ def test_user_validator_rejection_resamples_a_valid_value(make_engine: Callable[
     assert engine.scheduler.stats.num_rollbacks >= 1
 
 
-def test_schema_keywords_the_automaton_skips_are_enforced(make_engine: Callable[..., Engine]) -> None:
-    engine = make_engine()
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_schema_keywords_the_automaton_skips_are_enforced(make_engine: Callable[..., Engine], backend: str) -> None:
+    engine = make_engine(grammar_backend=backend)
     loose = {"type": "object", "properties": {"legs": {"enum": [0, 2, 4, 6, 8]}}, "required": ["legs"],
              "additionalProperties": False}
     first = json.loads(engine.generate("Legs:", SamplingParams(max_new_tokens=30, temperature=0, json_schema=loose)).text)
@@ -43,8 +46,9 @@ def test_schema_keywords_the_automaton_skips_are_enforced(make_engine: Callable[
     assert engine.scheduler.stats.num_rollbacks >= 1, "the greedy value was rejected and resampled"
 
 
-def test_retries_exhausted_gives_constraint_violation(make_engine: Callable[..., Engine]) -> None:
-    engine = make_engine()
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_retries_exhausted_gives_constraint_violation(make_engine: Callable[..., Engine], backend: str) -> None:
+    engine = make_engine(grammar_backend=backend)
     out = engine.generate("Animal:", SamplingParams(max_new_tokens=60, temperature=0, json_schema=SCHEMA,
                                                     validators={"$.legs": lambda n: False}, max_validation_retries=2))
     assert out.finish_reason is FinishReason.CONSTRAINT_VIOLATION

@@ -1,0 +1,116 @@
+"""llguidance behind the backend interface: an Earley parser over a lazily built lexer, so
+compiling costs about a millisecond and masks are computed per step (tens of microseconds).
+Follows JSON Schema closely (it rejects what it cannot enforce rather than ignoring it)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import numpy as np
+
+from radixgen.constraints.backend import Grammar, GrammarBackend, Matcher
+from radixgen.constraints.schema_rewrite import grammar_schema
+from radixgen.constraints.spec import ConstraintSpec
+from radixgen.errors import InvalidConstraintError
+
+try:
+    import llguidance
+    import llguidance.hf
+except ImportError as e:  # pragma: no cover - the registry reports this
+    raise ImportError("the llguidance backend needs the package llguidance: pip install llguidance") from e
+
+# Our JSON style (", " and ": ", no other whitespace), the same as the xgrammar backend's.
+_JSON_OPTIONS: Any = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "lenient": True}
+
+
+class LLGuidanceMatcher(Matcher):
+    def __init__(self, matcher: Any, stop_token_ids: frozenset[int]) -> None:
+        self._m = matcher
+        self._stop_ids = stop_token_ids
+        # per accepted token: (given to llguidance, ended the output). A stop token after the
+        # parser has stopped on its own is ours alone: llguidance has nothing to consume then.
+        self._history: list[tuple[bool, bool]] = []
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        words = bitmask[row]
+        assert words.flags.c_contiguous
+        self._m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        if self._m.is_stopped():
+            words[:] = 0
+            for t in self._stop_ids:
+                words[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+
+    def accept(self, token_id: int) -> bool:
+        if self.is_terminated():
+            return False
+        is_stop = token_id in self._stop_ids
+        if self._m.is_stopped():  # complete: only a stop token may follow
+            if not is_stop:
+                return False
+            self._history.append((False, True))
+            return True
+        # checked first: a refused token would leave llguidance's matcher in its error state
+        if self._m.validate_tokens([token_id]) != 1 or not self._m.consume_token(token_id):
+            return False
+        self._history.append((True, is_stop))
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        given = sum(g for g, _ in self._history[-num_tokens:])
+        del self._history[-num_tokens:]
+        if given:
+            self._m.rollback(given)
+
+    def is_terminated(self) -> bool:
+        return bool(self._history) and self._history[-1][1]
+
+    def forced_string(self) -> str:
+        if self.is_terminated() or self._m.is_stopped():
+            return ""
+        forced = self._m.compute_ff_bytes()
+        # a cut in the middle of a UTF-8 character is left for the model to finish
+        return forced.decode("utf-8", errors="ignore") if forced else ""
+
+
+class LLGuidanceGrammar(Grammar):
+    def __init__(self, prototype: Any, stop_token_ids: frozenset[int]) -> None:
+        self._prototype = prototype
+        self._stop_ids = stop_token_ids
+
+    def matcher(self) -> Matcher:
+        return LLGuidanceMatcher(self._prototype.deep_copy(), self._stop_ids)
+
+
+class LLGuidanceBackend(GrammarBackend):
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], *,
+                 open_objects: bool = False) -> None:
+        super().__init__(tokenizer, vocab_size, stop_token_ids, open_objects=open_objects)
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids[0])
+        self._stop_ids = frozenset(stop_token_ids)
+
+    def compile(self, spec: ConstraintSpec) -> Grammar:
+        if spec.kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(spec.value)
+        elif spec.kind == "choices":
+            grammar = llguidance.LLMatcher.grammar_from_regex("(" + "|".join(re.escape(c) for c in spec.choices()) + ")")
+        else:
+            schema = grammar_schema(spec.schema(), open_objects=self.open_objects) if spec.kind == "json_schema" else {"type": "object"}
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
+        if failed:
+            raise InvalidConstraintError(f"cannot compile the {spec.kind.replace('_', ' ')}: {_first_line(messages)}")
+        prototype = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if prototype.is_error():
+            raise InvalidConstraintError(f"cannot compile the {spec.kind.replace('_', ' ')}: "
+                                         f"{_first_line([prototype.get_error()])}")
+        return LLGuidanceGrammar(prototype, self._stop_ids)
+
+
+def _first_line(messages: list[str]) -> str:
+    return messages[0].strip().splitlines()[0] if messages and messages[0].strip() else "unknown error"
