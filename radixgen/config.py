@@ -49,6 +49,9 @@ class EngineConfig:
     """Let JSON output carry properties its schema does not declare wherever the schema allows
     them (JSON Schema's own reading). Off: only declared properties are generated, as in SGLang
     and vLLM; a schema that sets additionalProperties or patternProperties is followed either way."""
+    json_max_recursion_depth: int = 8
+    """How deep a recursive schema definition may nest in generated JSON (past it the recursive
+    branch is closed: an empty array of children, the null alternative)."""
     grammar_compile_timeout_s: float = 30.0
     max_schema_bytes: int = 256 * 1024
     """Largest JSON schema (compact JSON) a request may give."""

@@ -9,6 +9,7 @@ from typing import Any
 from radixgen.constraints.backend import Grammar, GrammarBackend, Matcher
 from radixgen.constraints.compile import GrammarService
 from radixgen.constraints.mask import allocate_bitmask, apply_bitmask
+from radixgen.constraints.schema_rewrite import DEFAULT_OPTIONS, GrammarOptions
 from radixgen.constraints.spec import (
     JSON_OBJECT,
     ConstraintSpec,
@@ -27,12 +28,12 @@ _AUTO_MEMBERS = ["xgrammar", "llguidance"]
 
 
 def make_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], *,
-                 open_objects: bool = False) -> GrammarBackend:
+                 options: GrammarOptions = DEFAULT_OPTIONS) -> GrammarBackend:
     if name == "auto":
         members, errors = [], []
         for candidate in _AUTO_MEMBERS:
             try:
-                members.append(make_backend(candidate, tokenizer, vocab_size, stop_token_ids, open_objects=open_objects))
+                members.append(make_backend(candidate, tokenizer, vocab_size, stop_token_ids, options=options))
             except ImportError as e:
                 errors.append(str(e))
         if not members:
@@ -44,10 +45,11 @@ def make_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: lis
         raise ValueError(f"grammar_backend must be one of {['auto', *BACKENDS]}, got {name!r}")
     module, cls = BACKENDS[name].split(":")
     backend_cls = getattr(importlib.import_module(module), cls)
-    return backend_cls(tokenizer, vocab_size, stop_token_ids, open_objects=open_objects)
+    return backend_cls(tokenizer, vocab_size, stop_token_ids, options=options)
 
 
 __all__ = [
-    "BACKENDS", "JSON_OBJECT", "ConstraintSpec", "Grammar", "GrammarBackend", "GrammarService", "Matcher",
+    "BACKENDS", "JSON_OBJECT", "ConstraintSpec", "Grammar", "GrammarBackend", "GrammarOptions", "GrammarService",
+    "Matcher",
     "allocate_bitmask", "apply_bitmask", "choices_spec", "make_backend", "regex_spec", "schema_spec",
 ]

@@ -72,7 +72,7 @@ class AutoBackend(GrammarBackend):
 
     def __init__(self, backends: list[GrammarBackend]) -> None:
         first = backends[0]
-        super().__init__(first.tokenizer, first.vocab_size, first.stop_token_ids, open_objects=first.open_objects)
+        super().__init__(first.tokenizer, first.vocab_size, first.stop_token_ids, options=first.options)
         self.backends = {b.name: b for b in backends}
 
     def choose(self, spec: ConstraintSpec) -> list[GrammarBackend]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from radixgen.constraints.schema_rewrite import DEFAULT_OPTIONS, GrammarOptions
 from radixgen.constraints.spec import ConstraintSpec
 
 
@@ -55,12 +56,11 @@ class GrammarBackend(ABC):
     name: str
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], *,
-                 open_objects: bool = False) -> None:
+                 options: GrammarOptions = DEFAULT_OPTIONS) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
-        self.open_objects = open_objects
-        """Generate undeclared properties where a schema allows them (``schema_rewrite.grammar_schema``)."""
+        self.options = options
 
     @abstractmethod
     def compile(self, spec: ConstraintSpec) -> Grammar:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from radixgen.constraints.backend import Grammar, GrammarBackend, Matcher
-from radixgen.constraints.schema_rewrite import grammar_schema
+from radixgen.constraints.schema_rewrite import DEFAULT_OPTIONS, GrammarOptions, grammar_schema
 from radixgen.constraints.spec import ConstraintSpec
 from radixgen.errors import InvalidConstraintError
 
@@ -89,8 +89,8 @@ class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], *,
-                 open_objects: bool = False) -> None:
-        super().__init__(tokenizer, vocab_size, stop_token_ids, open_objects=open_objects)
+                 options: GrammarOptions = DEFAULT_OPTIONS) -> None:
+        super().__init__(tokenizer, vocab_size, stop_token_ids, options=options)
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids[0])
         self._stop_ids = frozenset(stop_token_ids)
 
@@ -100,7 +100,7 @@ class LLGuidanceBackend(GrammarBackend):
         elif spec.kind == "choices":
             grammar = llguidance.LLMatcher.grammar_from_regex("(" + "|".join(re.escape(c) for c in spec.choices()) + ")")
         else:
-            schema = grammar_schema(spec.schema(), open_objects=self.open_objects) if spec.kind == "json_schema" else {"type": "object"}
+            schema = grammar_schema(spec.schema(), self.options) if spec.kind == "json_schema" else {"type": "object"}
             grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
         if failed:

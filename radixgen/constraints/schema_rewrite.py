@@ -3,15 +3,131 @@ bounded and every backend reads it the same way. Validators keep the caller's ow
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 
-def grammar_schema(schema: Any, *, open_objects: bool = False) -> Any:
-    """What the backends compile for ``schema``. Objects are closed unless ``open_objects``: only
-    the properties a schema declares are generated (SGLang's and vLLM's default; JSON Schema
-    itself allows undeclared ones, which a small model at temperature 1 pads its output with)."""
-    schema = integral_counts(bound_numbers(schema))
-    return schema if open_objects else close_objects(schema)
+@dataclass(frozen=True)
+class GrammarOptions:
+    """How a schema becomes a grammar, the same for every backend (EngineConfig sets them)."""
+
+    open_objects: bool = False
+    """Generate undeclared properties where a schema allows them. Off: only the properties a
+    schema declares are generated (SGLang's and vLLM's default; JSON Schema itself allows
+    undeclared ones, which a small model at temperature 1 pads its output with)."""
+    max_recursion_depth: int = 8
+    """How deep a recursive definition ($ref to itself) may nest in generated output: a small
+    model nests a tree until max_tokens otherwise (measured with SmolLM2-135M at temperature 0)."""
+
+
+DEFAULT_OPTIONS = GrammarOptions()
+
+
+def grammar_schema(schema: Any, options: GrammarOptions = DEFAULT_OPTIONS) -> Any:
+    """What the backends compile for ``schema``."""
+    schema = limit_recursion(integral_counts(bound_numbers(schema)), options.max_recursion_depth)
+    return schema if options.open_objects else close_objects(schema)
+
+
+_ROOT = "__root__"
+
+
+def limit_recursion(schema: Any, depth: int) -> Any:
+    """Unroll the definitions that reference themselves (directly or through others) ``depth``
+    levels deep; past that, their references become ``false`` and drop out of anyOf/oneOf,
+    optional properties and array items. Definitions without a cycle are left alone."""
+    if not isinstance(schema, dict):
+        return schema
+    defs_key = "$defs" if "$defs" in schema else "definitions"
+    defs = dict(schema.get(defs_key) or {})
+    body = {k: v for k, v in schema.items() if k != defs_key}
+    if _mentions(body, "#") or any(_mentions(d, "#") for d in defs.values()):
+        defs[_ROOT], body = body, {"$ref": f"#/{defs_key}/{_ROOT}"}
+    edges = {name: _refs_to(d, defs_key) & defs.keys() for name, d in defs.items()}
+    cyclic = {name for name in defs if _reaches(edges, name, name)}
+    if not cyclic:
+        return schema
+
+    def relink(node: Any, level: int) -> Any:
+        if isinstance(node, list):
+            return [relink(item, level) for item in node]
+        if not isinstance(node, dict):
+            return node
+        target = _target(node.get("$ref"), defs_key)
+        if target in cyclic:
+            if level >= depth:
+                return False
+            node = {**node, "$ref": f"#/{defs_key}/{target}@{level + 1}"}
+        out = {k: v if k in _DATA_KEYWORDS else relink(v, level) for k, v in node.items()}
+        return _drop_false(out)
+
+    new_defs = {name: relink(d, 0) for name, d in defs.items() if name not in cyclic}
+    for name in cyclic:
+        for level in range(1, depth + 1):
+            new_defs[f"{name}@{level}"] = relink(defs[name], level)
+    return {**relink(body, 0), defs_key: new_defs}
+
+
+def _drop_false(node: dict[str, Any]) -> Any:
+    """Simplify after a cut-off reference became false."""
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list) and False in node[key]:
+            kept = [branch for branch in node[key] if branch is not False]
+            if not kept:
+                return False
+            node[key] = kept
+    props = node.get("properties")
+    if isinstance(props, dict) and False in props.values():
+        required = set(node.get("required") or [])
+        if any(props[name] is False for name in required if name in props):
+            return False
+        node["properties"] = {name: sub for name, sub in props.items() if sub is not False}
+    if node.get("items") is False and isinstance(node.get("minItems"), int) and node["minItems"] > 0:
+        return False
+    return node
+
+
+def _target(ref: Any, defs_key: str) -> str | None:
+    if ref == "#":
+        return _ROOT
+    prefix = f"#/{defs_key}/"
+    return ref[len(prefix):].replace("~1", "/").replace("~0", "~") if isinstance(ref, str) and ref.startswith(prefix) else None
+
+
+def _refs_to(node: Any, defs_key: str) -> set[str]:
+    found: set[str] = set()
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            target = _target(item.get("$ref"), defs_key)
+            if target is not None:
+                found.add(target)
+            stack.extend(v for k, v in item.items() if k not in _DATA_KEYWORDS)
+    return found
+
+
+def _mentions(node: Any, ref: str) -> bool:
+    if isinstance(node, list):
+        return any(_mentions(item, ref) for item in node)
+    if isinstance(node, dict):
+        return node.get("$ref") == ref or any(_mentions(v, ref) for k, v in node.items() if k not in _DATA_KEYWORDS)
+    return False
+
+
+def _reaches(edges: dict[str, set[str]], start: str, goal: str) -> bool:
+    seen: set[str] = set()
+    stack = list(edges.get(start, ()))
+    while stack:
+        name = stack.pop()
+        if name == goal:
+            return True
+        if name not in seen:
+            seen.add(name)
+            stack.extend(edges.get(name, ()))
+    return False
 
 
 _COUNT_KEYWORDS = frozenset({"minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties",

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from radixgen.constraints.backend import Grammar, GrammarBackend, Matcher
-from radixgen.constraints.schema_rewrite import grammar_schema
+from radixgen.constraints.schema_rewrite import DEFAULT_OPTIONS, GrammarOptions, grammar_schema
 from radixgen.constraints.spec import ConstraintSpec
 from radixgen.errors import InvalidConstraintError
 
@@ -56,8 +56,8 @@ class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], *,
-                 open_objects: bool = False) -> None:
-        super().__init__(tokenizer, vocab_size, stop_token_ids, open_objects=open_objects)
+                 options: GrammarOptions = DEFAULT_OPTIONS) -> None:
+        super().__init__(tokenizer, vocab_size, stop_token_ids, options=options)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
 
@@ -67,7 +67,7 @@ class XGrammarBackend(GrammarBackend):
                 compiled = self._compiler.compile_regex(spec.value)
             elif spec.kind == "json_schema":
                 compiled = self._compiler.compile_json_schema(
-                    json.dumps(grammar_schema(spec.schema(), open_objects=self.open_objects)), any_whitespace=False, separators=_SEPARATORS,
+                    json.dumps(grammar_schema(spec.schema(), self.options)), any_whitespace=False, separators=_SEPARATORS,
                     strict_mode=False,  # closing objects is grammar_schema's decision, the same for every backend
                 )
             elif spec.kind == "json_object":

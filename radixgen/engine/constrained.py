@@ -11,6 +11,7 @@ import torch
 from radixgen.config import EngineConfig
 from radixgen.constraints import (
     Grammar,
+    GrammarOptions,
     GrammarService,
     allocate_bitmask,
     apply_bitmask,
@@ -37,7 +38,8 @@ class ConstrainedDecoding:
         with self._lock:
             if self._service is None:
                 backend = make_backend(self.config.grammar_backend, self.tokenizer, self.vocab_size, self.stop_token_ids,
-                                       open_objects=self.config.json_open_objects)
+                                       options=GrammarOptions(self.config.json_open_objects,
+                                                               self.config.json_max_recursion_depth))
                 self._service = GrammarService(backend, timeout_s=self.config.grammar_compile_timeout_s)
             return self._service
 

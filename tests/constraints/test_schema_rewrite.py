@@ -9,7 +9,12 @@ import pytest
 
 from radixgen.constraints import make_backend
 from radixgen.constraints.auto_backend import AutoBackend, within_xgrammar_subset
-from radixgen.constraints.schema_rewrite import close_objects, grammar_schema
+from radixgen.constraints.schema_rewrite import (
+    GrammarOptions,
+    close_objects,
+    grammar_schema,
+    limit_recursion,
+)
 from radixgen.constraints.spec import regex_spec, schema_spec
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
@@ -44,7 +49,7 @@ def test_plain_references_are_closed_and_open_objects_are_a_choice() -> None:
     schema = {"$defs": {"p": PERSON}, "type": "object", "properties": {"who": {"$ref": "#/$defs/p",
                                                                                "description": "a person"}}}
     assert grammar_schema(schema)["$defs"]["p"]["additionalProperties"] is False
-    assert "additionalProperties" not in grammar_schema(schema, open_objects=True)["$defs"]["p"]
+    assert "additionalProperties" not in grammar_schema(schema, GrammarOptions(open_objects=True))["$defs"]["p"]
 
 
 @pytest.mark.parametrize(("schema", "inside"), [
@@ -72,3 +77,39 @@ def test_auto_routes_each_spec_and_falls_back_when_a_backend_refuses(tokenizer: 
     with pytest.raises(Exception, match="disjoint"):
         backend.backends["llguidance"].compile(schema_spec(overlapping))
     assert backend.compile(schema_spec(overlapping)).matcher() is not None
+
+
+TREE = {"$defs": {"node": {"type": "object", "properties": {
+    "value": {"type": "integer"}, "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+    "required": ["value"]}}, "$ref": "#/$defs/node"}
+
+
+def test_recursion_is_unrolled_to_the_depth_cap_and_closed_after_it() -> None:
+    import jsonschema
+
+    limited = limit_recursion(TREE, 3)
+    assert "node" not in limited["$defs"] and {"node@1", "node@2", "node@3"} <= limited["$defs"].keys()
+    assert limited["$defs"]["node@3"]["properties"]["children"]["items"] is False, "the last level has no children"
+
+    def tree(depth: int) -> dict[str, Any]:
+        return {"value": depth, "children": [tree(depth - 1)] if depth > 1 else []}
+
+    jsonschema.validate(tree(3), limited)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(tree(4), limited)
+    jsonschema.validate(tree(9), TREE)  # the caller's schema (the validators' view) is untouched
+    linked = {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}}
+    cut = limit_recursion(linked, 2)
+    jsonschema.validate({"next": {"next": None}}, cut)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"next": {"next": {"next": None}}}, cut)
+    flat = {"$defs": {"a": {"type": "string"}}, "properties": {"x": {"$ref": "#/$defs/a"}}}
+    assert limit_recursion(flat, 2) == flat, "definitions without a cycle are left alone"
+
+
+def test_a_recursive_schema_generates_within_its_cap(tokenizer: Any) -> None:
+    backend = make_backend("auto", tokenizer, 49152, [tokenizer.eos_token_id], options=GrammarOptions(max_recursion_depth=2))
+    matcher = backend.compile(schema_spec(TREE)).matcher()
+    deep = '{"value": 1, "children": [{"value": 2, "children": [{"value": 3'
+    ids = tokenizer.encode(deep, add_special_tokens=False)
+    assert not all(matcher.accept(t) for t in ids), "a third level is past the cap"

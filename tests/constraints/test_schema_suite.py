@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from radixgen.constraints import GrammarService, make_backend
+from radixgen.constraints import GrammarOptions, GrammarService, make_backend
 from radixgen.constraints.conformance import score_suite
 
 SUITE = Path(__file__).resolve().parent.parent / "data" / "json-schema-test-suite"
@@ -28,7 +28,7 @@ TARGET = 1235
 ])
 def test_suite_score(tokenizer: Any, backend: str, open_objects: bool, at_least: int) -> None:
     service = GrammarService(make_backend(backend, tokenizer, 49152, [tokenizer.eos_token_id],
-                                          open_objects=open_objects), timeout_s=30)
+                                          options=GrammarOptions(open_objects=open_objects)), timeout_s=30)
     files = sorted(SUITE.glob("*.json"))
     assert len(files) == 46
     score = score_suite(files, service, tokenizer, tokenizer.eos_token_id)
