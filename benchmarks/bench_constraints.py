@@ -1,12 +1,13 @@
 """Constrained decoding costs and coverage, in one run on the SmolLM2 tokenizer.
 
-1. Compile time: radixgen's default backend through its service (spec checks included) vs raw
-   xgrammar, on the test-suite schemas and on realistic API schemas (benchmarks/data).
+1. Compile time of each backend through our service (spec checks and schema rewriting included)
+   and of raw xgrammar, on the test-suite schemas and on realistic API schemas (tests/data).
 2. Per-token constraint cost (mask fill + apply + accept), walking the suite's valid instances.
 3. Batch mask cost with 64 constrained rows vs the unconstrained step.
 4. End-to-end on the real model: seconds per JSON object and tokens/s, constrained vs
    unconstrained generation of the same number of tokens, batch 1 and 32.
-5. JSON-Schema-Test-Suite score (automaton + steering validators).
+5. JSON-Schema-Test-Suite score (automaton + steering validators) of each backend, with objects
+   closed (the default) and open.
 
     python benchmarks/bench_constraints.py [--skip-e2e]
 """
@@ -25,7 +26,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_json  # noqa: E402
-from radixgen.constraints import GrammarService, allocate_bitmask, apply_bitmask, make_backend  # noqa: E402
+from radixgen.constraints import (  # noqa: E402
+    GrammarOptions,
+    GrammarService,
+    allocate_bitmask,
+    apply_bitmask,
+    make_backend,
+)
 from radixgen.constraints.conformance import score_suite, serialize  # noqa: E402
 from radixgen.constraints.spec import schema_spec  # noqa: E402
 
@@ -42,62 +49,105 @@ def suite_cases() -> list[dict[str, Any]]:
     return [case for f in sorted(SUITE.glob("*.json")) for case in json.loads(f.read_text())]
 
 
-def compile_times(tokenizer: Any, schemas: list[Any]) -> dict[str, Any]:
-    import xgrammar as xgr
-
-    ours, raw, failed_ours, failed_raw = [], [], 0, 0
-    service = GrammarService(make_backend("auto", tokenizer, 49152, [tokenizer.eos_token_id]), cache_size=0)
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=49152, stop_token_ids=[tokenizer.eos_token_id])
-    compiler = xgr.GrammarCompiler(info, max_threads=1)  # its cache on, as in our backend
+def compile_times(tokenizer: Any, schemas: list[Any], backend: str) -> dict[str, Any]:
+    """Through our service (spec checks and schema rewriting included), cache off."""
+    times, failed = [], 0
+    service = GrammarService(make_backend(backend, tokenizer, 49152, [tokenizer.eos_token_id]), cache_size=0,
+                             timeout_s=60)
     for schema in schemas:
         start = time.perf_counter()
         try:
             service.compile(schema_spec(schema))
-            ours.append(time.perf_counter() - start)
+            times.append(time.perf_counter() - start)
         except Exception:  # noqa: BLE001
-            failed_ours += 1
+            failed += 1
+    return {"backend": backend, "n": len(schemas), "p50_ms": pct(times, 50) * 1e3, "p95_ms": pct(times, 95) * 1e3,
+            "failed": failed}
+
+
+def raw_xgrammar_compile_times(tokenizer: Any, schemas: list[Any]) -> dict[str, Any]:
+    """xgrammar called directly, as other engines call it: the reference for our compile target."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=49152, stop_token_ids=[tokenizer.eos_token_id])
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # cold, like ours with cache_size=0
+    times, failed = [], 0
+    for schema in schemas:
         start = time.perf_counter()
         try:
             compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(", ", ": "))
-            raw.append(time.perf_counter() - start)
+            times.append(time.perf_counter() - start)
         except Exception:  # noqa: BLE001
-            failed_raw += 1
-    return {"n": len(schemas), "ours_p50_ms": pct(ours, 50) * 1e3, "ours_p95_ms": pct(ours, 95) * 1e3,
-            "xgrammar_p50_ms": pct(raw, 50) * 1e3, "xgrammar_p95_ms": pct(raw, 95) * 1e3,
-            "ours_failed": failed_ours, "xgrammar_failed": failed_raw}
+            failed += 1
+    return {"backend": "xgrammar (raw)", "n": len(schemas), "p50_ms": pct(times, 50) * 1e3,
+            "p95_ms": pct(times, 95) * 1e3, "failed": failed}
 
 
-def per_token_costs(tokenizer: Any, service: GrammarService) -> dict[str, float]:
+def suite_instances(tokenizer: Any) -> list[tuple[Any, list[int]]]:
+    """(schema, token ids) of every valid instance in the test suite, in our serialization."""
+    out = []
+    for case in suite_cases():
+        root = case["schema"] if isinstance(case["schema"], dict) else {}
+        for t in case["tests"]:
+            if t["valid"]:
+                out.append((case["schema"], tokenizer.encode(serialize(t["data"], case["schema"], root),
+                                                              add_special_tokens=False)))
+    return out
+
+
+def api_instances(tokenizer: Any, service: GrammarService, walks: int = 4, max_tokens: int = 150) -> list[tuple[Any, list[int]]]:
+    """Token sequences for the API schemas (which come without instances): seeded random walks
+    through their automata, preferring to end once the automaton allows it."""
+    import random
+
+    out = []
+    mask = allocate_bitmask(1, 49152)
+    eos = tokenizer.eos_token_id
+    for entry in API:
+        for seed in range(walks):
+            rng = random.Random(seed)
+            matcher = service.compile(schema_spec(entry["schema"])).matcher()
+            ids: list[int] = []
+            while len(ids) < max_tokens:
+                matcher.fill_bitmask(mask, 0)
+                allowed = np.flatnonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:49152])
+                token = eos if eos in allowed and rng.random() < 0.5 else int(rng.choice(allowed))
+                if token == eos:
+                    break
+                matcher.accept(token)
+                ids.append(token)
+            out.append((entry["schema"], ids))
+    return out
+
+
+def per_token_costs(service: GrammarService, instances: list[tuple[Any, list[int]]]) -> dict[str, Any]:
     fill, apply, accept = [], [], []
     mask = allocate_bitmask(1, 49152)
     logits = torch.zeros(1, 49152)
-    for case in suite_cases():
+    for schema, ids in instances:
         try:
-            grammar = service.compile(schema_spec(case["schema"]))
+            grammar = service.compile(schema_spec(schema))
         except Exception:  # noqa: BLE001
             continue
-        for t in case["tests"]:
-            if not t["valid"]:
-                continue
-            matcher = grammar.matcher()
-            for tok in tokenizer.encode(serialize(t["data"], case["schema"], case["schema"] if isinstance(case["schema"], dict) else {}),
-                                        add_special_tokens=False):
-                a = time.perf_counter()
-                matcher.fill_bitmask(mask, 0)
-                b = time.perf_counter()
-                apply_bitmask(logits, torch.from_numpy(mask))
-                c = time.perf_counter()
-                ok = matcher.accept(tok)
-                d = time.perf_counter()
-                if not ok:
-                    break
-                fill.append(b - a)
-                apply.append(c - b)
-                accept.append(d - c)
+        matcher = grammar.matcher()
+        for tok in ids:
+            a = time.perf_counter()
+            matcher.fill_bitmask(mask, 0)
+            b = time.perf_counter()
+            apply_bitmask(logits, torch.from_numpy(mask))
+            c = time.perf_counter()
+            ok = matcher.accept(tok)
+            d = time.perf_counter()
+            if not ok:
+                break
+            fill.append(b - a)
+            apply.append(c - b)
+            accept.append(d - c)
     total = [f + a + c for f, a, c in zip(fill, apply, accept, strict=True)]
-    return {"tokens": len(total), "fill_p50_us": pct(fill, 50) * 1e6, "fill_p95_us": pct(fill, 95) * 1e6,
-            "apply_p50_us": pct(apply, 50) * 1e6, "accept_p50_us": pct(accept, 50) * 1e6,
-            "total_p50_us": pct(total, 50) * 1e6, "total_p95_us": pct(total, 95) * 1e6}
+    return {"backend": service.backend.name, "tokens": len(total), "fill_p50_us": pct(fill, 50) * 1e6,
+            "fill_p95_us": pct(fill, 95) * 1e6, "apply_p50_us": pct(apply, 50) * 1e6,
+            "accept_p50_us": pct(accept, 50) * 1e6, "total_p50_us": pct(total, 50) * 1e6,
+            "total_p95_us": pct(total, 95) * 1e6}
 
 
 def batch_mask_cost(tokenizer: Any, service: GrammarService, batch: int = 64) -> dict[str, float]:
@@ -111,7 +161,7 @@ def batch_mask_cost(tokenizer: Any, service: GrammarService, batch: int = 64) ->
             m.fill_bitmask(mask, i)
         apply_bitmask(logits, torch.from_numpy(mask))
         times.append(time.perf_counter() - start)
-    return {"batch": batch, "mask_ms_p50": pct(times, 50) * 1e3}
+    return {"backend": service.backend.name, "batch": batch, "mask_ms_p50": pct(times, 50) * 1e3}
 
 
 def end_to_end(batch_sizes: list[int], dtype: str) -> list[dict[str, Any]]:
@@ -163,24 +213,44 @@ def main() -> None:
     from radixgen.models.loader import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
-    service = GrammarService(make_backend("auto", tokenizer, 49152, [tokenizer.eos_token_id]), timeout_s=60)
+    backends = ["auto", "xgrammar", "llguidance"]
+    services = {b: GrammarService(make_backend(b, tokenizer, 49152, [tokenizer.eos_token_id]), timeout_s=60)
+                for b in backends}
     results: dict[str, Any] = {}
-    print("== compile time (ms)")
-    results["compile"] = [{"schemas": "test-suite", **compile_times(tokenizer, [c["schema"] for c in suite_cases()])},
-                          {"schemas": "api", **compile_times(tokenizer, [s["schema"] for s in API])}]
+    print("== compile time (ms), cache off")
+    results["compile"] = []
+    for label, schemas in (("test-suite", [c["schema"] for c in suite_cases()]), ("api", [s["schema"] for s in API])):
+        for backend in backends:
+            results["compile"].append({"schemas": label, **compile_times(tokenizer, schemas, backend)})
+        results["compile"].append({"schemas": label, **raw_xgrammar_compile_times(tokenizer, schemas)})
     print_table(results["compile"], list(results["compile"][0]))
     print("\n== per-token constraint cost (fill + apply + accept), microseconds")
-    results["per_token"] = per_token_costs(tokenizer, service)
-    print_table([results["per_token"]], list(results["per_token"]))
-    print("\n== mask for a batch of constrained rows")
-    results["batch_mask"] = batch_mask_cost(tokenizer, service)
-    print_table([results["batch_mask"]], list(results["batch_mask"]))
-    print("\n== JSON-Schema-Test-Suite (draft 2020-12)")
-    score = score_suite(sorted(SUITE.glob("*.json")), service, tokenizer, tokenizer.eos_token_id)
-    results["suite"] = {"right": score.right, "total": score.total, "invalid_accepted": score.invalid_accepted,
-                        **dict(score.counts), "unsupported_files": sorted(score.unsupported)}
-    print(f"right {score.right}/{score.total} ({score.right / score.total:.1%}), invalid accepted {score.invalid_accepted}")
-    rows = [{"file": f, **dict(c)} for f, c in score.per_file.items() if c["valid_rejected"] or c["invalid_accepted"]]
+    instances = {"test-suite": suite_instances(tokenizer), "api": api_instances(tokenizer, services["xgrammar"])}
+    results["per_token"] = [{"schemas": label, **per_token_costs(services[b], inst)}
+                            for label, inst in instances.items() for b in backends]
+    print_table(results["per_token"], list(results["per_token"][0]))
+    print("\n== mask for a batch of 64 constrained rows (API schemas)")
+    results["batch_mask"] = [batch_mask_cost(tokenizer, services[b]) for b in backends]
+    print_table(results["batch_mask"], list(results["batch_mask"][0]))
+    print("\n== JSON-Schema-Test-Suite (draft 2020-12): automaton + steering validators")
+    results["suite"] = []
+    files = sorted(SUITE.glob("*.json"))
+    default_score = None
+    for backend in backends:
+        for open_objects in (False, True):
+            service = GrammarService(make_backend(backend, tokenizer, 49152, [tokenizer.eos_token_id],
+                                                  options=GrammarOptions(open_objects=open_objects)), timeout_s=60)
+            score = score_suite(files, service, tokenizer, tokenizer.eos_token_id)
+            results["suite"].append({"backend": backend, "objects": "open" if open_objects else "closed (default)",
+                                     "right": score.right, "total": score.total, "pct": 100 * score.right / score.total,
+                                     "invalid_accepted": score.invalid_accepted,
+                                     "unsupported_files": sorted(score.unsupported)})
+            if backend == "auto" and not open_objects:
+                default_score = score
+    print_table(results["suite"], ["backend", "objects", "right", "total", "pct", "invalid_accepted"])
+    assert default_score is not None
+    print("\nper file, default settings, where anything is wrong:")
+    rows = [{"file": f, **dict(c)} for f, c in default_score.per_file.items() if c["valid_rejected"] or c["invalid_accepted"]]
     print_table(rows, ["file", "valid_accepted", "valid_rejected", "invalid_rejected", "invalid_accepted"])
     if not args.skip_e2e:
         print("\n== end to end on SmolLM2 (greedy): constrained vs unconstrained, same token counts")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from radixgen.constraints.compile import GrammarService
-from radixgen.constraints.events import SchemaValidators, Validation, resolve_subschema
+from radixgen.constraints.events import SchemaValidators, Validation, deref, resolve_subschema
 from radixgen.constraints.spec import schema_spec
 from radixgen.errors import InvalidConstraintError
 
@@ -42,7 +42,7 @@ class SuiteScore:
 def serialize(value: Any, schema: Any, root: dict[str, Any], path: tuple[Any, ...] = ()) -> str:
     if isinstance(value, dict):
         sub = resolve_subschema(root, path) if isinstance(root, dict) else None
-        order = list((sub or {}).get("properties", {})) if isinstance(sub, dict) else []
+        order = _property_order(root, sub) if isinstance(sub, dict) else []
         keys = sorted(value, key=lambda k: order.index(k) if k in order else len(order))
         items = [json.dumps(k, ensure_ascii=False) + ": " + serialize(value[k], schema, root, path + (k,)) for k in keys]
         return "{" + ", ".join(items) + "}"
@@ -52,6 +52,21 @@ def serialize(value: Any, schema: Any, root: dict[str, Any], path: tuple[Any, ..
         # one text per number: 1.0 and 1 are the same JSON Schema value, written the way we generate it
         return str(int(value))
     return json.dumps(value, ensure_ascii=False)
+
+
+def _property_order(root: dict[str, Any], node: dict[str, Any], depth: int = 0) -> list[str]:
+    """The order a grammar generates an object's properties in: its own, then those its allOf
+    branches and local $ref add (llguidance merges them in that order)."""
+    order = list(node.get("properties") or {})
+    if depth > 8:
+        return order
+    parts = [b for b in node.get("allOf", []) if isinstance(b, dict)]
+    target = deref(root, {"$ref": node["$ref"]}) if isinstance(node.get("$ref"), str) else None
+    if isinstance(target, dict):
+        parts.insert(0, target)
+    for part in parts:
+        order += [name for name in _property_order(root, part, depth + 1) if name not in order]
+    return order
 
 
 def score_suite(files: list[Path], service: GrammarService, tokenizer: Any, stop_token_id: int) -> SuiteScore:

@@ -195,7 +195,7 @@ class SchemaValidators:
         return validator
 
 
-def _deref(root: dict[str, Any], node: Any) -> Any:
+def deref(root: dict[str, Any], node: Any) -> Any:
     for _ in range(32):  # bounded: a $ref cycle must not hang
         if not (isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"].startswith("#/")):
             return node
@@ -212,7 +212,7 @@ def _deref(root: dict[str, Any], node: Any) -> Any:
 def resolve_subschema(root: dict[str, Any], path: Path) -> Any:
     """The subschema a value at ``path`` must satisfy, when the path alone determines it (None when
     it depends on combinators like anyOf; the whole-object check still covers those)."""
-    node: Any = _deref(root, root)
+    node: Any = deref(root, root)
     for part in path:
         if not isinstance(node, dict) or any(k in node for k in ("anyOf", "oneOf", "allOf", "if", "not", "$dynamicRef")):
             return None
@@ -228,7 +228,7 @@ def resolve_subschema(root: dict[str, Any], path: Path) -> Any:
             if part not in props and any(_search(p, part) for p in patterns):
                 return None  # a pattern's subschema applies, maybe with others: the parent's check decides
             node = props.get(part) if part in props else node.get("additionalProperties")
-        node = _deref(root, node)
+        node = deref(root, node)
         if node is None or node is True:
             return None
     return node

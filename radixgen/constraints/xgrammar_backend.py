@@ -59,7 +59,8 @@ class XGrammarBackend(GrammarBackend):
                  options: GrammarOptions = DEFAULT_OPTIONS) -> None:
         super().__init__(tokenizer, vocab_size, stop_token_ids, options=options)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # GrammarService caches compiled grammars by spec already; a second cache would only hold memory
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def compile(self, spec: ConstraintSpec) -> Grammar:
         try:
