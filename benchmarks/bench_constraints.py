@@ -196,7 +196,9 @@ def end_to_end(batch_sizes: list[int], dtype: str) -> list[dict[str, Any]]:
             start = time.perf_counter()
             engine.generate(prompts, [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in lengths])
             free_s = time.perf_counter() - start
-            rows.append({"jump_forward": jump, "batch": batch, "valid": f"{valid}/{batch}", "tokens": sum(lengths),
+            cut = sum(o.finish_reason.value == "length" for o in outs)  # unfinished, not invalid
+            rows.append({"jump_forward": jump, "batch": batch, "valid": f"{valid}/{batch}", "cut_at_max_tokens": cut,
+                         "tokens": sum(lengths),
                          "decode_steps": decode_steps, "constrained_s_per_object": constrained_s / batch,
                          "free_s_per_object": free_s / batch, "ratio_to_free": constrained_s / free_s})
         engine.shutdown()
@@ -213,7 +215,7 @@ def main() -> None:
     from radixgen.models.loader import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
-    backends = ["auto", "xgrammar", "llguidance"]
+    backends = ["auto", "xgrammar", "llguidance", "outlines"]
     services = {b: GrammarService(make_backend(b, tokenizer, 49152, [tokenizer.eos_token_id]), timeout_s=60)
                 for b in backends}
     results: dict[str, Any] = {}

@@ -22,6 +22,7 @@ from radixgen.constraints.spec import (
 BACKENDS = {
     "xgrammar": "radixgen.constraints.xgrammar_backend:XGrammarBackend",
     "llguidance": "radixgen.constraints.llguidance_backend:LLGuidanceBackend",
+    "outlines": "radixgen.constraints.outlines_backend:OutlinesBackend",  # eager index: never "auto"
 }
 # "auto" routes each constraint to the best installed backend (auto_backend.py explains the measurements).
 _AUTO_MEMBERS = ["xgrammar", "llguidance"]

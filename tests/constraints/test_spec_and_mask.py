@@ -67,7 +67,7 @@ def test_apply_bitmask_matches_a_reference() -> None:
     assert torch.equal(masked[torch.from_numpy(allowed)], logits[torch.from_numpy(allowed)])
 
 
-@pytest.fixture(scope="module", params=["auto", "xgrammar", "llguidance"])
+@pytest.fixture(scope="module", params=["auto", "xgrammar", "llguidance", "outlines"])
 def service(tokenizer: Any, request: pytest.FixtureRequest) -> GrammarService:
     """Every backend keeps the matcher contract the engine relies on (the tests below run on each)."""
     return GrammarService(make_backend(request.param, tokenizer, 49152, [tokenizer.eos_token_id]))
@@ -119,7 +119,10 @@ def test_random_walks_through_schema_automata_are_valid_json(service: GrammarSer
         text, done = random_walk(service, tokenizer, schema_spec(schema), seed, max_tokens=200)
         if done:
             finished += 1
-            jsonschema.validate(json.loads(text), schema)
+            errors = list(jsonschema.Draft202012Validator(schema).iter_errors(json.loads(text)))
+            # outlines' regexes do not bound integers; the engine's validators do (rollback and resample)
+            left_to_validators = {"minimum", "maximum"} if service.backend.name == "outlines" else set()
+            assert all(e.validator in left_to_validators for e in errors), (text, errors)
     assert finished >= 1
 
 
@@ -158,6 +161,8 @@ def test_unbounded_numbers_get_bounds_in_the_grammar_only(service: GrammarServic
     assert "minimum" not in props["k"] and props["d"] == {"const": {"type": "integer"}}, "data is not a schema"
     assert schema["properties"]["n"] == {"type": "integer"}, "the caller's schema is not touched"
 
+    if service.backend.name == "outlines":
+        pytest.skip("outlines' schema regexes ignore numeric bounds (a documented limit of that backend)")
     matcher = service.compile(schema_spec({"type": "integer"})).matcher()
     digits = [tokenizer.encode(d, add_special_tokens=False)[0] for d in "1234567890123456"]
     accepted = 0
@@ -198,5 +203,7 @@ def test_rollback_restores_the_state_and_the_stop_token_ends(service: GrammarSer
 
 
 def test_forced_string_is_what_the_schema_fixes(service: GrammarService) -> None:
+    if service.backend.name == "outlines":
+        pytest.skip("outlines' index has no forced-text query: jump-forward does nothing with that backend")
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     assert service.compile(schema_spec(schema)).matcher().forced_string() == '{"name": "'

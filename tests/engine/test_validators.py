@@ -14,7 +14,7 @@ SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "eel"
           "required": ["kind", "legs"], "additionalProperties": False}
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance", "outlines"])
 def test_user_validator_rejection_resamples_a_valid_value(make_engine: Callable[..., Engine], backend: str) -> None:
     engine = make_engine(grammar_backend=backend)
     seen: list[str] = []
@@ -32,7 +32,7 @@ def test_user_validator_rejection_resamples_a_valid_value(make_engine: Callable[
     assert engine.scheduler.stats.num_rollbacks >= 1
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance", "outlines"])
 def test_schema_keywords_the_automaton_skips_are_enforced(make_engine: Callable[..., Engine], backend: str) -> None:
     engine = make_engine(grammar_backend=backend)
     loose = {"type": "object", "properties": {"legs": {"enum": [0, 2, 4, 6, 8]}}, "required": ["legs"],
@@ -46,7 +46,7 @@ def test_schema_keywords_the_automaton_skips_are_enforced(make_engine: Callable[
     assert engine.scheduler.stats.num_rollbacks >= 1, "the greedy value was rejected and resampled"
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance", "outlines"])
 def test_retries_exhausted_gives_constraint_violation(make_engine: Callable[..., Engine], backend: str) -> None:
     engine = make_engine(grammar_backend=backend)
     out = engine.generate("Animal:", SamplingParams(max_new_tokens=60, temperature=0, json_schema=SCHEMA,
