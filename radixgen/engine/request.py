@@ -73,6 +73,9 @@ class SamplingParams:
     regex: str | None = None
     json_schema: Any = None
     """A JSON schema as a dict or JSON string, or a pydantic model class."""
+    pydantic_model: Any = None
+    """A pydantic model class: the same as ``json_schema=Model`` (its schema constrains the output,
+    its field validators run on each completed field and its model validators on the object)."""
     choices: tuple[str, ...] | None = None
     json_object: bool = False
     """Any JSON object (OpenAI's response_format json_object)."""
@@ -100,6 +103,13 @@ class SamplingParams:
                 object.__setattr__(self, name, tuple(value))
             elif value is not None and not isinstance(value, tuple):
                 raise InvalidParamsError(f"{name} must be a list, got {type(value).__name__}")
+        if self.pydantic_model is not None:
+            model = self.pydantic_model
+            _check(isinstance(model, type) and hasattr(model, "model_json_schema"), "pydantic_model",
+                   "a pydantic model class", model)
+            if self.json_schema is not None:
+                raise InvalidParamsError("give at most one constraint per request; got json_schema, pydantic_model")
+            object.__setattr__(self, "json_schema", model)
         self.validate()
         object.__setattr__(self, "constraint", self._constraint_spec())
 

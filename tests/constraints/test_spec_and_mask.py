@@ -49,6 +49,11 @@ def test_pydantic_model_becomes_its_schema() -> None:
     spec = SamplingParams(json_schema=Item).constraint
     assert spec is not None and spec.schema()["properties"].keys() == {"name", "qty"}
     assert list(spec.schema()["properties"]) == ["name", "qty"], "property order is kept"
+    assert SamplingParams(pydantic_model=Item).constraint == spec
+    with pytest.raises(InvalidParamsError, match="at most one constraint"):
+        SamplingParams(pydantic_model=Item, json_schema={"type": "object"})
+    with pytest.raises(InvalidParamsError, match="pydantic_model must be a pydantic model class"):
+        SamplingParams(pydantic_model={"type": "object"})
 
 
 def test_apply_bitmask_matches_a_reference() -> None:
