@@ -140,66 +140,100 @@ class _NullTokenizer:
         return ""
 
 
+class ReplicaSim:
+    """One engine replica in virtual time: the real scheduler and radix tree, a modelled forward."""
+
+    def __init__(self, config: EngineConfig | None = None, cost: CostModel | None = None) -> None:
+        config = config or EngineConfig()
+        self.cost = cost or CostModel()
+        num_slots = config.kv_cache_tokens or 65536
+        max_context = config.max_context_len or 8192
+        config = replace(config, kv_cache_tokens=num_slots, max_context_len=max_context)
+        pool = KVPool(num_slots=num_slots, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16,
+                      device="cpu", max_rows=config.max_running_requests, max_context_len=max_context)
+        self.sched = Scheduler(config, pool, None, eos_token_ids=())
+        self.clock = 0.0
+        self.scheduler_cpu_s = 0.0
+        self.arrivals: dict[str, float] = {}
+        self.admitted_at: dict[str, float] = {}
+        self.first_token_at: dict[str, float] = {}
+        self.completed = 0
+        self.decode_batch_hist: dict[int, int] = {}
+
+    @property
+    def load(self) -> int:
+        """Requests in flight (queued or running)."""
+        return len(self.sched.requests)
+
+    def has_work(self) -> bool:
+        return self.sched.has_work()
+
+    def add(self, request_id: str, request: TraceRequest) -> None:
+        params = SamplingParams(max_new_tokens=request.output_len, temperature=0, ignore_eos=True)
+        self.sched.add_request(Request(request_id, list(request.prompt_ids), params, rng_seed=0))
+        self.arrivals[request_id] = request.arrival
+
+    def step(self) -> bool:
+        """Run one scheduler step, advancing the clock by its modelled cost (False: nothing to run)."""
+        start = time.perf_counter()
+        plan = self.sched.schedule()
+        if plan is None:
+            self.scheduler_cpu_s += time.perf_counter() - start
+            return False
+        tokens = np.fromiter((_sim_token(len(r.output_ids)) for r in plan.requests), dtype=np.int64,
+                             count=plan.batch_size)
+        step_s = self.cost.step_time(plan)
+        self.clock += step_s
+        if plan.kind is StepKind.PREFILL:
+            for r in plan.requests:
+                self.admitted_at.setdefault(r.request_id, self.clock - step_s)
+        else:
+            self.decode_batch_hist[plan.batch_size] = self.decode_batch_hist.get(plan.batch_size, 0) + 1
+        outs = self.sched.process_results(plan, SampleResult(tokens, None, None, None), forward_s=step_s)
+        self.scheduler_cpu_s += time.perf_counter() - start
+        for o in outs:
+            if o.new_token_ids:
+                self.first_token_at.setdefault(o.request_id, self.clock)
+            self.completed += o.finished
+        return True
+
+    def queue_delays(self) -> list[float]:
+        return [self.admitted_at[r] - self.arrivals[r] for r in self.admitted_at]
+
+    def ttfts(self) -> list[float]:
+        return [self.first_token_at[r] - self.arrivals[r] for r in self.first_token_at]
+
+    def close(self) -> None:
+        self.sched.check_kv_invariant()
+        self.sched.stats.close()
+
+
 def simulate(
     trace: list[TraceRequest], config: EngineConfig | None = None, cost: CostModel | None = None,
 ) -> SimulationReport:
-    config = config or EngineConfig()
-    cost = cost or CostModel()
-    num_slots = config.kv_cache_tokens or 65536
-    max_context = config.max_context_len or 8192
-    config = replace(config, kv_cache_tokens=num_slots, max_context_len=max_context)
-    pool = KVPool(num_slots=num_slots, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16,
-                  device="cpu", max_rows=config.max_running_requests, max_context_len=max_context)
-    sched = Scheduler(config, pool, None, eos_token_ids=())
-    clock, next_arrival, sched_cpu = 0.0, 0, 0.0
-    arrivals: dict[str, float] = {}
-    admitted_at: dict[str, float] = {}
-    first_token_at: dict[str, float] = {}
-    completed = 0
-    hist: dict[int, int] = {}
-    while next_arrival < len(trace) or sched.has_work():
-        while next_arrival < len(trace) and trace[next_arrival].arrival <= clock:
-            t = trace[next_arrival]
-            rid = f"sim-{next_arrival}"
-            params = SamplingParams(max_new_tokens=t.output_len, temperature=0, ignore_eos=True)
-            sched.add_request(Request(rid, list(t.prompt_ids), params, rng_seed=0))
-            arrivals[rid] = t.arrival
+    replica = ReplicaSim(config, cost)
+    next_arrival = 0
+    while next_arrival < len(trace) or replica.has_work():
+        while next_arrival < len(trace) and trace[next_arrival].arrival <= replica.clock:
+            replica.add(f"sim-{next_arrival}", trace[next_arrival])
             next_arrival += 1
-        start = time.perf_counter()
-        plan = sched.schedule()
-        if plan is None:
-            sched_cpu += time.perf_counter() - start
+        if not replica.step():
             if next_arrival < len(trace):
-                clock = max(clock, trace[next_arrival].arrival)
+                replica.clock = max(replica.clock, trace[next_arrival].arrival)
                 continue
             break
-        tokens = np.fromiter((_sim_token(len(r.output_ids)) for r in plan.requests), dtype=np.int64, count=plan.batch_size)
-        step_s = cost.step_time(plan)
-        clock += step_s
-        if plan.kind is StepKind.PREFILL:
-            for r in plan.requests:
-                admitted_at.setdefault(r.request_id, clock - step_s)
-        else:
-            hist[plan.batch_size] = hist.get(plan.batch_size, 0) + 1
-        outs = sched.process_results(plan, SampleResult(tokens, None, None, None), forward_s=step_s)
-        sched_cpu += time.perf_counter() - start
-        for o in outs:
-            if o.new_token_ids:
-                first_token_at.setdefault(o.request_id, clock)
-            completed += o.finished
-    delays = np.array([admitted_at[r] - arrivals[r] for r in admitted_at]) if admitted_at else np.zeros(1)
-    ttfts = np.array([first_token_at[r] - arrivals[r] for r in first_token_at]) if first_token_at else np.zeros(1)
-    stats = sched.stats
-    sched.check_kv_invariant()
-    stats.close()
+    delays = np.array(replica.queue_delays() or [0.0])
+    ttfts = np.array(replica.ttfts() or [0.0])
+    stats = replica.sched.stats
+    replica.close()
     return SimulationReport(
-        num_requests=len(trace), completed=completed, virtual_time_s=clock, cache_hit_rate=stats.cache_hit_rate,
-        output_tokens=stats.generated_tokens,
+        num_requests=len(trace), completed=replica.completed, virtual_time_s=replica.clock,
+        cache_hit_rate=stats.cache_hit_rate, output_tokens=stats.generated_tokens,
         queue_delay_p50_s=float(np.percentile(delays, 50)), queue_delay_p95_s=float(np.percentile(delays, 95)),
         queue_delay_p99_s=float(np.percentile(delays, 99)),
         ttft_p50_s=float(np.percentile(ttfts, 50)), ttft_p95_s=float(np.percentile(ttfts, 95)),
-        decode_batch_hist=hist, num_retractions=stats.num_retractions, evicted_tokens=stats.evicted_tokens,
-        scheduler_cpu_s=sched_cpu, steps=stats.num_steps,
+        decode_batch_hist=replica.decode_batch_hist, num_retractions=stats.num_retractions,
+        evicted_tokens=stats.evicted_tokens, scheduler_cpu_s=replica.scheduler_cpu_s, steps=stats.num_steps,
     )
 
 

@@ -1,0 +1,1 @@
+"""Several engine replicas behind one OpenAI-compatible front: routing, simulation, Ray Serve."""
