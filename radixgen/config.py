@@ -11,6 +11,7 @@ from typing import Literal
 
 DType = Literal["float32", "bfloat16", "float16"]
 SchedulePolicy = Literal["fcfs", "lpm"]
+Routing = Literal["prefix-affinity", "round-robin"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,15 @@ class ServerConfig(EngineConfig):
     api_key: str | None = field(default=None, repr=False)
     """When set, every endpoint but /health needs 'Authorization: Bearer <key>'. The environment
     variable RADIXGEN_API_KEY is used when the flag is absent (keeps the key out of `ps`)."""
+    replicas: int = 1
+    """Engine replicas; more than one runs each as a Ray Serve application (pip install
+    'radixgen[ray]') behind this server's routes."""
+    ray_address: str | None = None
+    """An existing Ray cluster to deploy the replicas on ("auto", "ray://host:10001"); default:
+    a private local Ray on loopback."""
+    routing: Routing = "prefix-affinity"
+    """How the front picks a replica: prefix-affinity (requests sharing a prefix go where it is
+    cached, within a load bound) or round-robin."""
     max_request_bytes: int = 4 * 2**20
     """Largest request body accepted; larger ones get HTTP 413."""
     max_n: int = 16

@@ -77,8 +77,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     config = config_from_args(args, ServerConfig)
     assert isinstance(config, ServerConfig)
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level,
-                timeout_graceful_shutdown=5)
+    client = None
+    if config.replicas < 1:
+        raise SystemExit(f"--replicas must be at least 1, got {config.replicas}")
+    if config.replicas > 1 or config.ray_address:
+        from radixgen.cluster.ray_serve import ClusterClient, start_replicas
+
+        client = ClusterClient(config, start_replicas(config))
+    uvicorn.run(create_app(config, client=client), host=config.host, port=config.port,  # type: ignore[arg-type]
+                log_level=config.log_level, timeout_graceful_shutdown=5)
     return 0
 
 

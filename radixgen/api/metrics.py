@@ -42,6 +42,8 @@ class ServerMetrics:
         }
 
     def render(self, engine_stats: dict[str, Any] | None) -> bytes:
+        if engine_stats and "replicas" in engine_stats:
+            self._render_replicas(engine_stats["replicas"])
         if engine_stats:
             s = engine_stats
             steps = max(s.get("num_steps", 0), 1)
@@ -58,3 +60,26 @@ class ServerMetrics:
             for name, value in values.items():
                 self._engine[name].set(value)
         return generate_latest(self.registry)
+
+    _REPLICA_GAUGES = {
+        "queue_depth": "Requests waiting in the replica's engine",
+        "running": "Requests decoding in the replica's engine",
+        "free": "Free KV slots of the replica",
+        "cache_hit_rate": "Share of the replica's prompt tokens served from its prefix cache",
+        "prompt_tokens": "Prompt tokens the replica has served",
+        "cached_prompt_tokens": "Prompt tokens the replica served from its cache",
+        "generated_tokens": "Tokens the replica has generated",
+        "routed_requests": "Requests the front has routed to the replica",
+        "num_steps": "Engine steps of the replica",
+    }
+
+    def _render_replicas(self, replicas: list[dict[str, Any]]) -> None:
+        """Per-replica counters with a ``replica`` label (scale-out on Ray); created on first use
+        so a single-engine server's output is unchanged."""
+        if not hasattr(self, "_replica"):
+            self._replica = {name: Gauge(f"radixgen_replica_{name}", doc, ["replica"], registry=self.registry)
+                             for name, doc in self._REPLICA_GAUGES.items()}
+        for stats in replicas:
+            label = str(stats.get("replica"))
+            for name, gauge in self._replica.items():
+                gauge.labels(replica=label).set(stats.get(name, 0))

@@ -79,7 +79,10 @@ class PrefixAffinity:
 
     def choose(self, prompt_ids: Sequence[int], loads: Sequence[int]) -> int:
         hashes = self.block_hashes(prompt_ids)
-        least = min(range(len(loads)), key=lambda r: (loads[r], r))
+        # ties between equally loaded replicas are broken by the prompt's first block, so idle
+        # replicas take different prefixes rather than all going to replica 0
+        start = (hashes[0] if hashes else hash(tuple(prompt_ids))) % len(loads)
+        least = min(range(len(loads)), key=lambda r: (loads[r], (r - start) % len(loads)))
         chosen, matched = least, 0
         for depth in range(len(hashes), 0, -1):
             owner = self._owner.get(hashes[depth - 1])

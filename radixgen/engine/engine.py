@@ -303,6 +303,13 @@ class Engine:
                 "held_by_tree": self.scheduler.tree.cached_tokens(), "pool_size": pool.num_slots,
                 "active_requests": len(self.scheduler.requests)}
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine no longer serves requests (None while it does)."""
+        if self._dead_reason is not None:
+            return self._dead_reason
+        return "shut down" if self._stopped.is_set() else None
+
     # ---- internals ----------------------------------------------------------------------
 
     def _check_alive(self) -> None:

@@ -43,6 +43,12 @@ def test_an_overloaded_replica_sheds_its_prefixes_and_a_dead_one_is_avoided() ->
     assert router.choose(SYSTEM_A + [4], [5, 0]) == 1, "a forgotten prefix goes to the least loaded replica"
 
 
+def test_idle_replicas_take_different_prefixes() -> None:
+    router = PrefixAffinity(block_size=16)
+    chosen = {router.choose([k] * 16 + [1], [0, 0, 0, 0]) for k in range(200, 240)}
+    assert len(chosen) == 4, "equal loads: the tie is broken by the prefix, not always replica 0"
+
+
 def test_prefix_affinity_beats_round_robin_in_simulation() -> None:
     trace = multi_tenant_trace(400, rate=6.0, seed=3)
     config = EngineConfig(kv_cache_tokens=16384)

@@ -1,0 +1,78 @@
+"""One engine replica as a Ray Serve deployment (imported only when Ray is used).
+
+Each replica holds its own model copy, KV pool and radix cache, and streams ``RequestOutput``
+deltas to the front through a Serve handle. Serve restarts a replica whose actor dies or whose
+health check fails (the engine loop died).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from radixgen.config import EngineConfig
+from radixgen.engine.engine import Engine
+from radixgen.engine.request import FinishReason, RequestOutput, SamplingParams
+
+
+@serve.deployment(
+    max_ongoing_requests=100_000,  # the engine queues and refuses by itself (max_queued_requests)
+    health_check_period_s=2.0,
+    health_check_timeout_s=30.0,
+    graceful_shutdown_timeout_s=5.0,
+)
+class EngineReplica:
+    def __init__(self, config: EngineConfig, index: int) -> None:
+        self.index = index
+        self.engine = Engine(config)
+
+    async def info(self) -> dict[str, Any]:
+        pool = self.engine.runner.pool
+        return {"max_context_len": pool.max_context_len, "kv_slots": pool.num_slots,
+                "vocab_size": self.engine.model_config.vocab_size, "model_path": str(self.engine.model_path),
+                "replica": self.index, "pid": os.getpid()}
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       stream: bool) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def on_output(out: RequestOutput) -> None:  # engine thread
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        try:
+            self.engine.add_request(prompt_ids, params, request_id=request_id, on_output=on_output, stream=stream)
+        except ValueError as e:  # a user error the front did not catch
+            yield RequestOutput(request_id, [], "", True, FinishReason.ERROR, error=str(e), user_error=True)
+            return
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:  # the front went away (client disconnect): free the slots now
+                self.engine.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def stats(self) -> dict[str, Any]:
+        engine = self.engine
+        stats = await asyncio.to_thread(
+            engine.run_on_loop, lambda: {**engine.kv_accounting_unlocked(), **engine.scheduler.stats.snapshot()})
+        return {**stats, "replica": self.index, "pid": os.getpid()}
+
+    def check_health(self) -> None:
+        if self.engine.dead_reason is not None:  # the engine loop died: Serve replaces this replica
+            raise RuntimeError(f"engine replica {self.index} is down: {self.engine.dead_reason}")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
