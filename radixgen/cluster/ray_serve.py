@@ -64,10 +64,13 @@ def start_replicas(config: ServerConfig) -> list[Any]:
     # Ray's CPU accounting: on our own machine the replicas split its cores (fractions are fine);
     # on a cluster each replica asks for the threads it will run
     cpus = float(threads or 1) if config.ray_address else ray.cluster_resources().get("CPU", 1.0) / config.replicas
+    resources: dict[str, float] = {"num_cpus": cpus}
+    if config.device.startswith("cuda"):
+        resources["num_gpus"] = 1.0
     handles = []
     for i in range(config.replicas):
         app = EngineReplica.options(  # type: ignore[attr-defined]  # serve.deployment makes it a Deployment
-            name=f"engine-{i}", ray_actor_options={"num_cpus": cpus}).bind(engine_config, i)
+            name=f"engine-{i}", ray_actor_options=resources).bind(engine_config, i)
         handles.append(serve.run(app, name=f"{APP_PREFIX}{i}", route_prefix=None))
     return handles
 
