@@ -61,6 +61,7 @@ def convert_gguf(gguf_path: Path) -> Path:
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     out = cache_dir() / f"{gguf_path.stem}-{key}"
     if (out / _DONE_MARKER).exists():
+        _plain_config(out)  # caches written before the config was cleaned
         return out
 
     from safetensors.torch import save_file
@@ -84,6 +85,7 @@ def convert_gguf(gguf_path: Path) -> Path:
         state.pop("lm_head.weight", None)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     hf_model.config.save_pretrained(tmp)
+    _plain_config(tmp)
     (tmp / _DONE_MARKER).write_text(json.dumps({"source": str(gguf_path)}))
     steps.update()
     steps.close()
@@ -94,6 +96,23 @@ def convert_gguf(gguf_path: Path) -> Path:
     else:
         tmp.rename(out)
     return out
+
+
+def _plain_config(model_dir: Path) -> None:
+    """Make the converted folder an ordinary float32 HF checkpoint: drop the GGUF quantization
+    entry (the weights are dequantized) and name the architecture, so other engines (vLLM in the
+    serving comparison) and transformers load it as they load any checkpoint."""
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    if config.get("quantization_config", {}).get("quant_method") != "gguf" and config.get("architectures"):
+        return
+    config.pop("quantization_config", None)
+    if not config.get("architectures") and config.get("model_type") in _ARCHITECTURES:
+        config["architectures"] = [_ARCHITECTURES[config["model_type"]]]
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -92,3 +92,16 @@ def test_smollm2_logits_match_transformers(default_model_dir: Any, tokenizer: An
     for i in range(len(ids) - 4, len(ids)):
         (step,) = harness.extend([(0, [ids[i]])])
         torch.testing.assert_close(step[0], ref[i], atol=2e-3, rtol=0)
+
+
+def test_the_converted_default_model_is_a_plain_hf_checkpoint(default_model_dir: Any) -> None:
+    """Other engines (vLLM in the serving comparison) and transformers load the converted GGUF
+    as an ordinary float32 checkpoint: no quantization entry left, the architecture named."""
+    import json
+
+    from transformers import AutoConfig
+
+    config = json.loads((default_model_dir / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert AutoConfig.from_pretrained(default_model_dir).architectures == ["LlamaForCausalLM"]
