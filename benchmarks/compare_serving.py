@@ -6,7 +6,9 @@
 Targets (each on a free loopback port, the same model: the bundled SmolLM2 as our loader caches
 it): radixgen; radixgen with the radix cache off; a transformers baseline (static batches over
 model.generate, benchmarks/peers/transformers_server.py); vLLM on CPU when its virtualenv exists
-(RADIXGEN_PEERS/vllm, see benchmarks/README.md). A missing peer is a row that says why.
+(RADIXGEN_PEERS/vllm, see benchmarks/README.md); llama.cpp's server through llama-cpp-python when
+RADIXGEN_PEERS/llamacpp exists (Q4 weights: not like-for-like). A missing peer is a row that
+says why.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from radixgen.api.launch import ChildServer, free_port, launch_server  # noqa: E402
 from radixgen.bench.cli import COLUMNS, print_table  # noqa: E402
 from radixgen.bench.serving import ServingReport, plot, run_preset  # noqa: E402
-from radixgen.models.loader import cache_dir, resolve_model_dir  # noqa: E402
+from radixgen.models.loader import cache_dir, default_gguf_path, resolve_model_dir  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PEERS = Path(os.environ.get("RADIXGEN_PEERS", cache_dir() / "peers"))
@@ -48,13 +50,25 @@ def start(target: str, dtype: str) -> Any:
                         "127.0.0.1", "--port", str(port), "--served-model-name", "default", "--dtype", dtype,
                         "--max-model-len", "4096", "--enable-prefix-caching"], port,
                        env={"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": cores}, timeout=600)
+    if target == "llama.cpp":
+        python = PEERS / "llamacpp" / "bin" / "python"
+        if not python.exists():
+            raise FileNotFoundError(
+                f"no llama-cpp-python virtualenv at {python.parent.parent} (pip install 'llama-cpp-python[server]' "
+                "there; it builds from source). Not like-for-like even then: it runs the GGUF's Q4 weights and "
+                "serves one request at a time by default")
+        cores = str(len(os.sched_getaffinity(0)))
+        return ChildServer([str(python), "-m", "llama_cpp.server", "--model", str(default_gguf_path()), "--host",
+                            "127.0.0.1", "--port", str(port), "--n_threads", cores, "--n_ctx", "4096",
+                            "--model_alias", "default"], port, timeout=300)
     raise ValueError(f"unknown target {target!r}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="mixed-64")
-    parser.add_argument("--targets", nargs="+", default=["radixgen", "radixgen-no-cache", "transformers", "vllm"])
+    parser.add_argument("--targets", nargs="+",
+                        default=["radixgen", "radixgen-no-cache", "transformers", "vllm", "llama.cpp"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--num-requests", type=int)
     parser.add_argument("--duration-s", type=float)
