@@ -22,6 +22,7 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("radixgen_request_latency_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("radixgen_requests_in_flight", "Requests being served", registry=r)
+        self._replica: dict[str, Gauge] | None = None  # created when a cluster reports replicas
         self._engine: dict[str, Gauge] = {
             name: Gauge(f"radixgen_{name}", doc, registry=r)
             for name, doc in {
@@ -76,10 +77,11 @@ class ServerMetrics:
     def _render_replicas(self, replicas: list[dict[str, Any]]) -> None:
         """Per-replica counters with a ``replica`` label (scale-out on Ray); created on first use
         so a single-engine server's output is unchanged."""
-        if not hasattr(self, "_replica"):
+        if self._replica is None:
             self._replica = {name: Gauge(f"radixgen_replica_{name}", doc, ["replica"], registry=self.registry)
                              for name, doc in self._REPLICA_GAUGES.items()}
+        gauges = self._replica
         for stats in replicas:
             label = str(stats.get("replica"))
-            for name, gauge in self._replica.items():
+            for name, gauge in gauges.items():
                 gauge.labels(replica=label).set(stats.get(name, 0))

@@ -75,14 +75,18 @@ def start_replicas(config: ServerConfig) -> list[Any]:
     return handles
 
 
-def stop_replicas(num_replicas: int) -> None:
+def stop_replicas(num_replicas: int, *, shared_cluster: bool) -> None:
+    """Remove our replicas. On a shared cluster only our applications go (Serve and Ray keep
+    running for others); the private local Ray is shut down whole, which removes them too."""
     ray = _ray()
     from ray import serve
 
-    for i in range(num_replicas):
-        with contextlib.suppress(Exception):
-            serve.delete(f"{APP_PREFIX}{i}")
-    serve.shutdown()
+    if shared_cluster:
+        for i in range(num_replicas):
+            with contextlib.suppress(Exception):
+                serve.delete(f"{APP_PREFIX}{i}")
+    else:
+        serve.shutdown()
     ray.shutdown()
 
 
@@ -110,7 +114,7 @@ class ClusterClient:
     async def shutdown(self) -> None:
         if self._probe is not None:
             self._probe.cancel()
-        await asyncio.to_thread(stop_replicas, len(self.handles))
+        await asyncio.to_thread(stop_replicas, len(self.handles), shared_cluster=bool(self.config.ray_address))
 
     @property
     def is_healthy(self) -> bool:

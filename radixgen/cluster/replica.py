@@ -31,10 +31,7 @@ class EngineReplica:
         self.engine = Engine(config)
 
     async def info(self) -> dict[str, Any]:
-        pool = self.engine.runner.pool
-        return {"max_context_len": pool.max_context_len, "kv_slots": pool.num_slots,
-                "vocab_size": self.engine.model_config.vocab_size, "model_path": str(self.engine.model_path),
-                "replica": self.index, "pid": os.getpid()}
+        return {**self.engine.info(), "replica": self.index, "pid": os.getpid()}
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        stream: bool) -> AsyncIterator[RequestOutput]:
@@ -63,9 +60,7 @@ class EngineReplica:
         self.engine.abort(request_id)
 
     async def stats(self) -> dict[str, Any]:
-        engine = self.engine
-        stats = await asyncio.to_thread(
-            engine.run_on_loop, lambda: {**engine.kv_accounting_unlocked(), **engine.scheduler.stats.snapshot()})
+        stats = await asyncio.to_thread(self.engine.stats_snapshot)
         return {**stats, "replica": self.index, "pid": os.getpid()}
 
     def check_health(self) -> None:

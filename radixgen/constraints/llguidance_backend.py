@@ -35,12 +35,13 @@ class LLGuidanceMatcher(Matcher):
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         words = bitmask[row]
-        assert words.flags.c_contiguous
-        self._m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        if self._m.is_stopped():
+        if self._m.is_stopped():  # complete: only a stop token may follow
             words[:] = 0
             for t in self._stop_ids:
                 words[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+            return
+        assert words.flags.c_contiguous
+        self._m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
 
     def accept(self, token_id: int) -> bool:
         if self.is_terminated():
@@ -51,8 +52,8 @@ class LLGuidanceMatcher(Matcher):
                 return False
             self._history.append((False, True))
             return True
-        # checked first: a refused token would leave llguidance's matcher in its error state
-        if self._m.validate_tokens([token_id]) != 1 or not self._m.consume_token(token_id):
+        # try_consume refuses without entering llguidance's error state (consume_token would not)
+        if self._m.try_consume_tokens([token_id]) != 1:
             return False
         self._history.append((True, is_stop))
         return True

@@ -33,7 +33,8 @@ def byte_level_alphabet() -> dict[str, int]:
     Qwen): printable bytes stand for themselves, the others are shifted past 255 in order."""
     direct = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     alphabet = {chr(b): b for b in direct}
-    shifted = (b for b in range(256) if b not in set(direct))
+    kept = set(direct)
+    shifted = (b for b in range(256) if b not in kept)
     alphabet.update({chr(256 + i): b for i, b in enumerate(shifted)})
     return alphabet
 
@@ -77,9 +78,10 @@ class OutlinesMatcher(Matcher):
                 return False
             self._history.append(True)
             return True
-        if not self._guide.accepts_tokens([token_id]):
+        try:
+            self._guide.advance(token_id, return_tokens=False)
+        except ValueError:  # no transition: the guide's state is unchanged
             return False
-        self._guide.advance(token_id, return_tokens=False)
         self._history.append(False)
         return True
 

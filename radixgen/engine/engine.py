@@ -303,6 +303,17 @@ class Engine:
                 "held_by_tree": self.scheduler.tree.cached_tokens(), "pool_size": pool.num_slots,
                 "active_requests": len(self.scheduler.requests)}
 
+    def info(self) -> dict[str, Any]:
+        """What a front (the server's engine client, a Ray replica's caller) needs to know."""
+        pool = self.runner.pool
+        return {"max_context_len": pool.max_context_len, "kv_slots": pool.num_slots,
+                "vocab_size": self.model_config.vocab_size, "model_path": str(self.model_path),
+                "max_new_tokens_limit": self.config.max_new_tokens_limit}
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """KV accounting and scheduler counters, read consistently on the engine thread."""
+        return self.run_on_loop(lambda: {**self.kv_accounting_unlocked(), **self.scheduler.stats.snapshot()})
+
     @property
     def dead_reason(self) -> str | None:
         """Why the engine no longer serves requests (None while it does)."""

@@ -48,12 +48,7 @@ def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: 
             send(("outputs", batch))
 
     engine = Engine(config, after_step=flush)
-    info = {
-        "max_context_len": engine.runner.pool.max_context_len, "kv_slots": engine.runner.pool.num_slots,
-        "vocab_size": engine.model_config.vocab_size, "model_path": str(engine.model_path),
-        "max_new_tokens_limit": config.max_new_tokens_limit,
-    }
-    send(("ready", info))
+    send(("ready", engine.info()))
     try:
         while True:
             kind, payload = inbox.recv_pyobj()
@@ -66,8 +61,7 @@ def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: 
             elif kind == "abort":
                 engine.abort(payload)
             elif kind == "stats":
-                stats = engine.run_on_loop(lambda: {**engine.kv_accounting_unlocked(), **engine.scheduler.stats.snapshot()})
-                send(("stats", (payload, stats)))
+                send(("stats", (payload, engine.stats_snapshot())))
             elif kind == "shutdown":
                 break
     finally:
