@@ -12,6 +12,7 @@ from typing import Literal
 DType = Literal["float32", "bfloat16", "float16"]
 SchedulePolicy = Literal["fcfs", "lpm"]
 Routing = Literal["prefix-affinity", "round-robin"]
+AttentionBackend = Literal["auto", "sdpa"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,10 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None
     """torch compute threads; None means the cores this process may run on."""
+    attention_backend: AttentionBackend = "auto"
+    """auto: decode on CPU reads K/V straight from the pool with radixgen's C++ kernel (built
+    once per machine with the system compiler, ~10 s, cached under $RADIXGEN_CACHE/kernels);
+    gather + SDPA where it cannot be built and on other devices. sdpa: always gather + SDPA."""
     seed: int = 0
     """Seed for requests that give none (each such request still gets its own stream)."""
 

@@ -7,6 +7,7 @@ runner turns it into device tensors once per step (see ``build_attention_plan``)
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,13 +65,22 @@ class StepPlan:
 
 
 def build_attention_plan(
-    plan: StepPlan, req_to_token: torch.Tensor, device: torch.device, dtype: torch.dtype
+    plan: StepPlan, req_to_token: torch.Tensor, device: torch.device, dtype: torch.dtype,
+    decode_kernel: Callable[..., torch.Tensor] | None = None,
 ) -> AttentionPlan:
-    """Device tensors for attention, built once per step and shared by every layer."""
+    """Device tensors for attention, built once per step and shared by every layer.
+    ``decode_kernel``: the pool-reading decode kernel, used for decode steps when given."""
     out_cache_loc = torch.from_numpy(plan.out_cache_loc).to(device)
     batch = plan.batch_size
     if batch == 1 and plan.prefix_lens[0] == 0 and plan.kind is StepKind.PREFILL:
         return AttentionPlan(out_cache_loc, None, None, None, None, is_decode=False, is_single_causal=True)
+
+    if plan.kind is StepKind.DECODE and decode_kernel is not None:
+        return AttentionPlan(
+            out_cache_loc, None, None, None, None, is_decode=True, decode_kernel=decode_kernel,
+            req_to_token=req_to_token, rows=torch.from_numpy(plan.rows).to(device),
+            seq_lens=torch.from_numpy(plan.seq_lens).to(device),
+        )
 
     prefix = torch.from_numpy(plan.prefix_lens).to(device)
     extend = torch.from_numpy(plan.extend_lens).to(device)

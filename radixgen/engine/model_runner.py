@@ -11,6 +11,7 @@ import torch
 from radixgen.config import EngineConfig
 from radixgen.engine.batch import StepPlan, build_attention_plan
 from radixgen.engine.kv_pool import KVPool
+from radixgen.kernels import decode_attention_op
 from radixgen.models import LlamaForCausalLM, LoadedModel, load_model, torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -33,10 +34,13 @@ def set_compute_threads(num_threads: int | None) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, device: torch.device) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, pool: KVPool, device: torch.device, attention_backend: str = "auto"
+    ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
+        self.decode_kernel = decode_attention_op() if attention_backend == "auto" and device.type == "cpu" else None
 
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None) -> tuple[ModelRunner, LoadedModel]:
@@ -53,14 +57,14 @@ class ModelRunner:
             max_rows=config.max_running_requests, max_context_len=max_context,
         )
         logger.info("KV pool: %d tokens (%.2f GiB), context %d", num_slots, num_slots * per_token / 2**30, max_context)
-        return cls(loaded.model, pool, torch.device(config.device)), loaded
+        return cls(loaded.model, pool, torch.device(config.device), config.attention_backend), loaded
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """float32 logits [B + sum(verify_counts) + S, vocab]: the last new token of every request;
         then, per request with forced tokens to verify, the positions just before each of them;
         then the S prompt positions of ``plan.prompt_scoring``."""
         device = self.device
-        attn = build_attention_plan(plan, self.pool.req_to_token, device, self.pool.k.dtype)
+        attn = build_attention_plan(plan, self.pool.req_to_token, device, self.pool.k.dtype, self.decode_kernel)
         input_ids = torch.from_numpy(plan.input_ids).to(device)
         positions = torch.from_numpy(plan.positions).to(device)
         last = np.cumsum(plan.extend_lens) - 1

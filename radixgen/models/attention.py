@@ -5,10 +5,15 @@ K/V go to, and for each request which slots hold its whole sequence. K/V are gat
 those slot indices into a padded block and attended with SDPA under a mask that is causal
 within the new tokens and open over the cached prefix. Prefill, prefill-after-cached-prefix
 ("extend") and decode are the same code with different lengths.
+
+Decode on CPU has a second path: a native kernel (``radixgen/kernels``) that reads each
+request's K/V rows straight from the pool through ``req_to_token``, with no gather, padding or
+mask. Decode attention is memory-bound, and the gather path moved every K/V byte three times.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +41,14 @@ class AttentionPlan:
     """Every request has exactly one new token: no query padding needed."""
     is_single_causal: bool = False
     """One request with no cached prefix: plain causal attention on the new K/V, no gather."""
+    decode_kernel: Callable[..., torch.Tensor] | None = None
+    """Decode only: the pool-reading kernel, called as (q [B,H,D], k_cache, v_cache,
+    req_to_token, rows, seq_lens, scale); when set, kv_indices and attn_mask are None."""
+    req_to_token: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    """[B] int64 req_to_token row of each request (decode kernel only)."""
+    seq_lens: torch.Tensor | None = None
+    """[B] int64 keys each request attends, its new token included (decode kernel only)."""
 
 
 def paged_attention(
@@ -51,6 +64,9 @@ def paged_attention(
     k_cache[plan.out_cache_loc] = k
     v_cache[plan.out_cache_loc] = v
 
+    if plan.decode_kernel is not None:
+        out = plan.decode_kernel(q, k_cache, v_cache, plan.req_to_token, plan.rows, plan.seq_lens, head_dim**-0.5)
+        return out.view(num_tokens, num_heads * head_dim)
     if plan.is_single_causal:
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),

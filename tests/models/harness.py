@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -11,9 +13,13 @@ from radixgen.models import LlamaForCausalLM
 
 
 class PoolHarness:
-    def __init__(self, model: LlamaForCausalLM, num_slots: int = 4096, max_rows: int = 8, max_context_len: int = 1024) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, num_slots: int = 4096, max_rows: int = 8, max_context_len: int = 1024,
+        decode_kernel: Callable[..., torch.Tensor] | None = None,
+    ) -> None:
         cfg = model.config
         self.model = model
+        self.decode_kernel = decode_kernel
         self.pool = KVPool(
             num_slots=num_slots, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, dtype=model.embed.dtype, device="cpu", max_rows=max_rows,
@@ -39,7 +45,9 @@ class PoolHarness:
         )
         for r, n in zip(rows, extend, strict=True):
             self.lengths[r] += int(n)
-        attn = build_attention_plan(plan, self.pool.req_to_token, torch.device("cpu"), self.pool.k.dtype)
+        attn = build_attention_plan(
+            plan, self.pool.req_to_token, torch.device("cpu"), self.pool.k.dtype, self.decode_kernel
+        )
         all_rows = torch.arange(plan.num_tokens)
         logits = self.model(
             torch.from_numpy(plan.input_ids), torch.from_numpy(positions), attn, self.pool.k, self.pool.v, all_rows

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from radixgen.kernels import decode_attention_op
 from radixgen.models import ModelConfig, build_model
 from tests.conftest import make_tiny_hf_model
 from tests.models.harness import PoolHarness
@@ -41,15 +42,26 @@ def _prompt(seed: int, n: int) -> list[int]:
     return torch.randint(3, 49152, (n,), generator=g).tolist()
 
 
+def _decode_kernel(path: str) -> Any:
+    """None for gather + SDPA; the native pool-reading kernel (skips where it cannot build)."""
+    if path == "sdpa":
+        return None
+    op = decode_attention_op()
+    if op is None:
+        pytest.skip("the CPU decode-attention kernel does not build here")
+    return op
+
+
+@pytest.mark.parametrize("decode_path", ["sdpa", "kernel"])
 @pytest.mark.parametrize("case", sorted(TINY_CASES))
-def test_tiny_prefill_and_decode_match_transformers(case: str) -> None:
+def test_tiny_prefill_and_decode_match_transformers(case: str, decode_path: str) -> None:
     spec = dict(TINY_CASES[case])
     hf = make_tiny_hf_model(spec.pop("kind"), seed=1, **spec)
     ours = ours_from_hf(hf)
     assert ours.config.attention_bias == (case == "qwen2-bias")
     ids = _prompt(0, 90)
     ref = hf_logits(hf, ids)
-    harness = PoolHarness(ours)
+    harness = PoolHarness(ours, decode_kernel=_decode_kernel(decode_path))
     # prefill 80 tokens, then decode the rest one token per step through the pool
     (prefill,) = harness.extend([(0, ids[:80])])
     torch.testing.assert_close(prefill, ref[:80], atol=2e-4, rtol=0)
@@ -59,10 +71,11 @@ def test_tiny_prefill_and_decode_match_transformers(case: str) -> None:
     assert ref.abs().max() > 0.5, "logits too small for the tolerance to mean anything"
 
 
-def test_batched_extend_with_cached_prefixes_matches_transformers() -> None:
+@pytest.mark.parametrize("decode_path", ["sdpa", "kernel"])
+def test_batched_extend_with_cached_prefixes_matches_transformers(decode_path: str) -> None:
     """Requests of different lengths in one step, some extending a cached prefix."""
     hf = make_tiny_hf_model("llama", seed=2)
-    harness = PoolHarness(ours_from_hf(hf))
+    harness = PoolHarness(ours_from_hf(hf), decode_kernel=_decode_kernel(decode_path))
     a, b, c = _prompt(1, 40), _prompt(2, 75), _prompt(3, 9)
     harness.extend([(0, a[:30]), (1, b[:50])])
     outs = harness.extend([(0, a[30:]), (1, b[50:]), (2, c)])  # extend, extend, fresh prefill
@@ -86,7 +99,7 @@ def test_smollm2_logits_match_transformers(default_model_dir: Any, tokenizer: An
     )
     ids = tokenizer.encode(text, add_special_tokens=False)
     ref = hf_logits(hf, ids)
-    harness = PoolHarness(ours)
+    harness = PoolHarness(ours, decode_kernel=decode_attention_op())  # the engine's default path on CPU
     (prefill,) = harness.extend([(0, ids[:-4])])
     torch.testing.assert_close(prefill, ref[:-4], atol=2e-3, rtol=0)
     for i in range(len(ids) - 4, len(ids)):

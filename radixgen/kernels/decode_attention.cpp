@@ -1,0 +1,178 @@
+// Decode attention that reads K/V straight from the token-level pool.
+//
+// One query token per request. For request b the keys are the pool rows named by
+// req_to_token[rows[b], 0:seq_lens[b]]; nothing is gathered into a padded block and no mask
+// is built, so each K/V row is read once from memory per layer (the gather + SDPA path read
+// it, copied it and read the copy again).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPrefetch = 8;  // rows ahead: slots are scattered over the pool
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// exp(x) for x <= 0 in a form the compiler vectorises (std::exp stays a scalar libm call and
+// took a third of the kernel's time): x = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-7
+// Taylor polynomial (relative error < 1e-8 before float rounding), 2^n built in the exponent bits.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // exp(-87) ~ 1.6e-38: still a normal float
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;  // ln2 = hi + lo
+  float p = 1.0f / 5040;
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Attention of the `group` query heads that share kv head `h`, for one request.
+template <typename scalar_t, int kDim>
+void attend_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+                const int64_t* slots, int64_t len, scalar_t* out, int64_t h, int64_t num_kv_heads,
+                int64_t group, int64_t runtime_dim, float scale, std::vector<float>& query,
+                std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& inv_sum) {
+  const int64_t dim = kDim > 0 ? kDim : runtime_dim;
+  const int64_t row = num_kv_heads * dim;  // pool row of one slot: all kv heads
+  query.resize(group * dim);
+  acc.assign(group * dim, 0.f);
+  scores.resize(group * len);
+  inv_sum.resize(group);
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t d = 0; d < dim; ++d) query[g * dim + d] = to_float(q[g * dim + d]) * scale;
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    if (j + kPrefetch < len) __builtin_prefetch(k_cache + slots[j + kPrefetch] * row + h * dim);
+    const scalar_t* key = k_cache + slots[j] * row + h * dim;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = query.data() + g * dim;
+      float dot = 0.f;
+      for (int64_t d = 0; d < dim; ++d) dot += qg[d] * to_float(key[d]);
+      scores[g * len + j] = dot;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores.data() + g * len;
+    float peak = -INFINITY;
+    for (int64_t j = 0; j < len; ++j) peak = std::max(peak, s[j]);
+    float total = 0.f;
+    for (int64_t j = 0; j < len; ++j) {
+      s[j] = exp_nonpositive(s[j] - peak);
+      total += s[j];
+    }
+    inv_sum[g] = 1.f / total;
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    if (j + kPrefetch < len) __builtin_prefetch(v_cache + slots[j + kPrefetch] * row + h * dim);
+    const scalar_t* value = v_cache + slots[j] * row + h * dim;
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * len + j];
+      float* a = acc.data() + g * dim;
+      for (int64_t d = 0; d < dim; ++d) a[d] += p * to_float(value[d]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<scalar_t>(acc[g * dim + d] * inv_sum[g]);
+  }
+}
+
+// Work items are (request, kv head): the G query heads of a kv head are scored against each K
+// row while it is in registers, and a request's three or more items keep both threads busy
+// even at batch 1. at::parallel_for runs on torch's own OpenMP team (built with -fopenmp; the
+// extension links the libgomp torch already loaded), so no second thread pool competes.
+template <typename scalar_t, int kDim>
+void decode_attention_kernel(
+    const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+    const int64_t* req_to_token, int64_t row_stride, const int64_t* rows, const int64_t* seq_lens,
+    scalar_t* out, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t runtime_dim,
+    float scale) {
+  const int64_t dim = kDim > 0 ? kDim : runtime_dim;
+  const int64_t group = num_heads / num_kv_heads;
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query, scores, acc, inv_sum;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t offset = (b * num_heads + h * group) * dim;
+      attend_one<scalar_t, kDim>(q + offset, k_cache, v_cache, req_to_token + rows[b] * row_stride,
+                                 seq_lens[b], out + offset, h, num_kv_heads, group, dim, scale,
+                                 query, scores, acc, inv_sum);
+    }
+  });
+}
+
+template <typename scalar_t>
+void dispatch_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& req_to_token, const at::Tensor& rows,
+                  const at::Tensor& seq_lens, at::Tensor& out, double scale) {
+  const int64_t batch = q.size(0), num_heads = q.size(1), dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(1);
+  auto run = [&](auto dim_tag) {
+    constexpr int kDim = decltype(dim_tag)::value;
+    decode_attention_kernel<scalar_t, kDim>(
+        q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+        req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), rows.data_ptr<int64_t>(),
+        seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch, num_heads, num_kv_heads,
+        dim, static_cast<float>(scale));
+  };
+  if (dim == 64) run(std::integral_constant<int, 64>{});
+  else if (dim == 128) run(std::integral_constant<int, 128>{});
+  else run(std::integral_constant<int, 0>{});
+}
+
+}  // namespace
+
+at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                               at::Tensor req_to_token, at::Tensor rows,
+                               at::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "decode_attention is the CPU kernel");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [B,H,D], caches [S,KVH,D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(2), "head_dim differs between q and the cache");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.stride(1) == 1, "req_to_token int64, rows contiguous");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "rows/seq_lens int64");
+  q = q.contiguous();
+  rows = rows.contiguous();
+  seq_lens = seq_lens.contiguous();
+  TORCH_CHECK(rows.numel() == q.size(0) && seq_lens.numel() == q.size(0), "one row and length per request");
+  // The slots themselves come from the allocator; rows and lengths are checked because a bad
+  // one would read past req_to_token.
+  const int64_t* row_ptr = rows.data_ptr<int64_t>();
+  const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    TORCH_CHECK(row_ptr[b] >= 0 && row_ptr[b] < req_to_token.size(0) && len_ptr[b] >= 1 &&
+                    len_ptr[b] <= req_to_token.size(1),
+                "request ", b, ": row ", row_ptr[b], " / length ", len_ptr[b], " outside req_to_token ",
+                req_to_token.sizes());
+  }
+  auto out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+    dispatch_dim<scalar_t>(q, k_cache, v_cache, req_to_token, rows, seq_lens, out, scale);
+  });
+  return out;
+}
+
+TORCH_LIBRARY(radixgen, m) {
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor rows, "
+        "Tensor seq_lens, float scale) -> Tensor");
+  m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
+}
