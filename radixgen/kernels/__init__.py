@@ -81,7 +81,7 @@ def _put_ninja_on_path() -> None:
     if shutil.which("ninja"):
         return
     try:
-        import ninja  # type: ignore[import-not-found]
+        import ninja
     except ImportError:
         return
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
