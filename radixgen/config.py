@@ -44,6 +44,10 @@ class EngineConfig:
     chunked_prefill_size: int = 2048
     """Longest piece of one prompt computed in a step; longer prompts are split, with decode
     steps in between. 0 disables chunking."""
+    mixed_steps: bool = True
+    """Running requests decode their next token inside every prefill step (one forward, the
+    weights read once) instead of waiting for the prefill queue to drain; attention still takes
+    each part its own way. Off: prefill and decode steps strictly alternate by queue state."""
     max_queued_requests: int = 4096
     schedule_policy: SchedulePolicy = "lpm"
     """lpm: longest cached prefix first (fcfs when the queue is long); fcfs: arrival order."""

@@ -50,6 +50,9 @@ class StepPlan:
     prompt_scoring: PromptScoring | None = None
     batch_version: int | None = None
     """Decode only: equal versions mean the same requests in the same order as before."""
+    num_decode: int = 0
+    """Prefill only: the last ``num_decode`` requests are running requests decoding one token
+    in this step alongside the prefill (a mixed step); their tokens come last."""
 
     @property
     def batch_size(self) -> int:
@@ -63,6 +66,23 @@ class StepPlan:
     def seq_lens(self) -> np.ndarray:
         return self.prefix_lens + self.extend_lens
 
+    @property
+    def num_prefill(self) -> int:
+        return len(self.requests) - self.num_decode
+
+    def split_mixed(self) -> tuple[StepPlan, StepPlan]:
+        """A mixed step as (its prefill part, its decode part), for attention."""
+        p, t = self.num_prefill, int(self.extend_lens[: self.num_prefill].sum())
+        head = StepPlan(
+            StepKind.PREFILL, self.requests[:p], self.rows[:p], self.prefix_lens[:p], self.extend_lens[:p],
+            self.input_ids[:t], self.positions[:t], self.out_cache_loc[:t],
+        )
+        tail = StepPlan(
+            StepKind.DECODE, self.requests[p:], self.rows[p:], self.prefix_lens[p:], self.extend_lens[p:],
+            self.input_ids[t:], self.positions[t:], self.out_cache_loc[t:],
+        )
+        return head, tail
+
 
 def build_attention_plan(
     plan: StepPlan, req_to_token: torch.Tensor, device: torch.device, dtype: torch.dtype,
@@ -70,6 +90,13 @@ def build_attention_plan(
 ) -> AttentionPlan:
     """Device tensors for attention, built once per step and shared by every layer.
     ``decode_kernel``: the pool-reading decode kernel, used for decode steps when given."""
+    if plan.num_decode and plan.num_prefill:
+        head, tail = plan.split_mixed()
+        attn = build_attention_plan(head, req_to_token, device, dtype, decode_kernel)
+        attn.decode_tail = build_attention_plan(tail, req_to_token, device, dtype, decode_kernel)
+        attn.num_prefill_tokens = head.num_tokens
+        attn.out_cache_loc = torch.from_numpy(plan.out_cache_loc).to(device)
+        return attn
     out_cache_loc = torch.from_numpy(plan.out_cache_loc).to(device)
     batch = plan.batch_size
     if batch == 1 and plan.prefix_lens[0] == 0 and plan.kind is StepKind.PREFILL:

@@ -451,7 +451,7 @@ class Engine:
         start = time.perf_counter()
         try:
             if plan.kind is StepKind.PREFILL:
-                for i, req in enumerate(plan.requests):
+                for i, req in enumerate(plan.requests[: plan.num_prefill]):
                     # first chunk since admission: (re)build the penalty counts of its row
                     if req.params.has_penalties and plan.prefix_lens[i] == req.prefix_len:
                         self.sampler.penalties.reset_row(req.pool_row, req.prompt_ids, req.output_ids)

@@ -136,6 +136,8 @@ class Scheduler:
         self._decode_turn = False
         if not decode_first and (self.chunked or self.waiting):
             plan = self._schedule_prefill()
+            if plan is not None and self.running and self.config.mixed_steps:
+                plan = self._with_decode_rows(plan)
         if plan is None and self.running:
             plan = self._schedule_decode()
         self._step.schedule_s = time.perf_counter() - start
@@ -259,6 +261,35 @@ class Scheduler:
             prompt_scoring=_prompt_scoring(reqs, prefix_lens, extend_lens),
         )
 
+    def _with_decode_rows(self, plan: StepPlan) -> StepPlan:
+        """Append every running request's next token to a prefill plan (a mixed step). Their
+        slots were reserved when the prefill was sized; if the pool is short anyway, the plan
+        stays prefill-only and the next step is a decode step, which may retract."""
+        reqs = list(self.running)
+        slots = self._alloc_slots(len(reqs))
+        if slots is None:
+            self._decode_turn = True
+            return plan
+        rows = np.fromiter((r.pool_row for r in reqs), dtype=np.int64, count=len(reqs))
+        positions = np.fromiter((r.seq_len - 1 for r in reqs), dtype=np.int64, count=len(reqs))
+        self.pool.write(rows, positions, slots)
+        self._decode_arrays = None  # the next decode step's positions are not the last ones + 1
+        self._decode_turn = False  # the running requests decode in this step
+        ones = np.ones(len(reqs), dtype=np.int64)
+        self._step.new_tokens += len(reqs)
+        return StepPlan(
+            kind=StepKind.PREFILL, requests=plan.requests + reqs, rows=np.concatenate([plan.rows, rows]),
+            prefix_lens=np.concatenate([plan.prefix_lens, positions]),
+            extend_lens=np.concatenate([plan.extend_lens, ones]),
+            input_ids=np.concatenate([plan.input_ids, [r.output_ids[-1] for r in reqs]]).astype(np.int64),
+            positions=np.concatenate([plan.positions, positions]),
+            out_cache_loc=np.concatenate([plan.out_cache_loc, slots]),
+            sample_mask=np.concatenate([plan.sample_mask, ones.astype(bool)]) if plan.sample_mask is not None else None,
+            verify_counts=np.concatenate([plan.verify_counts, 0 * ones]) if plan.verify_counts is not None else None,
+            prompt_scoring=plan.prompt_scoring,  # indexes the prefill rows, which keep their places
+            num_decode=len(reqs),
+        )
+
     def _schedule_decode(self) -> StepPlan | None:
         need = len(self.running)
         while self.pool.available() + self.tree.evictable_tokens() < need and len(self.running) > 1:
@@ -349,12 +380,12 @@ class Scheduler:
         outputs: list[RequestOutput] = []
         token_ids = result.token_ids.tolist()
         allow_jump = len(self.running) <= self.config.jump_forward_max_batch
-        is_prefill = plan.kind is StepKind.PREFILL
+        num_prefill = plan.num_prefill if plan.kind is StepKind.PREFILL else 0
         extend_lens = plan.extend_lens.tolist()
         append_token, emit = self.outputs.append_token, self.outputs.emit
         for i, req in enumerate(plan.requests):
             req.num_computed += extend_lens[i]
-            if is_prefill and not self._after_prefill(req, plan, i, token_ids):
+            if i < num_prefill and not self._after_prefill(req, plan, i, token_ids):
                 continue  # a non-final chunk: nothing to sample yet
             reason = append_token(req, token_ids[i], result, i, allow_jump=allow_jump)
             if req.pending_rollback is not None:
@@ -372,8 +403,9 @@ class Scheduler:
                     outputs.append(out)
         sampled = plan.sample_mask
         self.stats.generated_tokens += len(plan.requests) if sampled is None else int(sampled.sum())
-        self._step.kind = plan.kind.value
+        self._step.kind = "mixed" if plan.num_decode else plan.kind.value
         self._step.batch_size = plan.batch_size
+        self._step.decode_rows = plan.batch_size - num_prefill
         self._step.forward_s = forward_s
         self.stats.record(self._step, queue_depth=len(self.waiting), running=len(self.running),
                           kv_used=self.pool.used(), cached=self.tree.cached_tokens())

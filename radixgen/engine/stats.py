@@ -12,7 +12,9 @@ class StepRecord:
     """What one step did; filled by the scheduler, written to the event log when enabled."""
 
     kind: str = ""
+    """prefill, decode, or mixed (a prefill step that also decodes the running requests)."""
     batch_size: int = 0
+    decode_rows: int = 0
     new_tokens: int = 0
     cached_tokens: int = 0
     evicted_tokens: int = 0
@@ -62,11 +64,11 @@ class SchedulerStats:
     def record(self, step: StepRecord, *, queue_depth: int, running: int, kv_used: int, cached: int) -> None:
         self.num_steps += 1
         self.batch_size_sum += step.batch_size
-        if step.kind == "prefill":
+        if step.kind != "decode":
             self.num_prefill_steps += 1
-        else:
+        if step.decode_rows:  # a mixed step counts as both
             self.num_decode_steps += 1
-            self.decode_batch_size_sum += step.batch_size
+            self.decode_batch_size_sum += step.decode_rows
         self.computed_tokens += step.new_tokens
         self.evicted_tokens += step.evicted_tokens
         self.num_retractions += step.retracted

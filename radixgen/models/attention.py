@@ -49,6 +49,11 @@ class AttentionPlan:
     """[B] int64 req_to_token row of each request (decode kernel only)."""
     seq_lens: torch.Tensor | None = None
     """[B] int64 keys each request attends, its new token included (decode kernel only)."""
+    decode_tail: AttentionPlan | None = None
+    """A mixed step: the plan of the decode rows whose tokens follow the first
+    ``num_prefill_tokens`` (this plan's own fields describe the prefill rows only, except
+    ``out_cache_loc``, which covers every token)."""
+    num_prefill_tokens: int = 0
 
 
 def paged_attention(
@@ -60,10 +65,25 @@ def paged_attention(
     plan: AttentionPlan,
 ) -> torch.Tensor:
     """Write the new K/V into the pool, attend, and return [T, heads * head_dim]."""
-    num_tokens, num_heads, head_dim = q.shape
     k_cache[plan.out_cache_loc] = k
     v_cache[plan.out_cache_loc] = v
+    if plan.decode_tail is None:
+        return _attend_written(q, k, v, k_cache, v_cache, plan)
+    # Decode rows would be padded to the prefill's query length in one SDPA call; each part
+    # takes its own path instead.
+    n = plan.num_prefill_tokens
+    return torch.cat([
+        _attend_written(q[:n], k[:n], v[:n], k_cache, v_cache, plan),
+        _attend_written(q[n:], k[n:], v[n:], k_cache, v_cache, plan.decode_tail),
+    ])
 
+
+def _attend_written(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    plan: AttentionPlan,
+) -> torch.Tensor:
+    """Attention of q over the pool, whose K/V already include this step's tokens."""
+    num_tokens, num_heads, head_dim = q.shape
     if plan.decode_kernel is not None:
         out = plan.decode_kernel(q, k_cache, v_cache, plan.req_to_token, plan.rows, plan.seq_lens, head_dim**-0.5)
         return out.view(num_tokens, num_heads * head_dim)

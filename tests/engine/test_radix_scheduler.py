@@ -137,9 +137,11 @@ def test_event_log_has_one_record_per_step(make_engine: Callable[..., Engine], t
     engine.generate(["one prompt", "another prompt"], greedy(5))
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(records) == engine.scheduler.stats.num_steps
-    assert {r["kind"] for r in records} == {"prefill", "decode"}
+    assert {"prefill", "decode"} <= {r["kind"] for r in records} <= {"prefill", "decode", "mixed"}
     for key in ("batch_size", "new_tokens", "cached_tokens", "evicted_tokens", "retracted", "schedule_s", "forward_s"):
         assert key in records[0]
     assert sum(r["new_tokens"] for r in records if r["kind"] == "decode") == sum(
         r["batch_size"] for r in records if r["kind"] == "decode"
     )
+    assert all(r["decode_rows"] == (r["batch_size"] if r["kind"] == "decode" else 0)
+               for r in records if r["kind"] != "mixed")
