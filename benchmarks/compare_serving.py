@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,12 +31,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PEERS = Path(os.environ.get("RADIXGEN_PEERS", cache_dir() / "peers"))
 
 
-def start(target: str, dtype: str) -> Any:
+def start(target: str, dtype: str, radixgen_args: list[str]) -> Any:
     model_dir = str(resolve_model_dir(None))
     if target == "radixgen":
-        return launch_server("--dtype", dtype)
+        return launch_server("--dtype", dtype, *radixgen_args)
     if target == "radixgen-no-cache":
-        return launch_server("--dtype", dtype, "--disable-radix-cache")
+        return launch_server("--dtype", dtype, "--disable-radix-cache", *radixgen_args)
     port = free_port()
     if target == "transformers":
         script = Path(__file__).resolve().parent / "peers" / "transformers_server.py"
@@ -72,14 +73,18 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--num-requests", type=int)
     parser.add_argument("--duration-s", type=float)
+    parser.add_argument("--radixgen-args", default="",
+                        help="extra `radixgen serve` flags for the radixgen targets, e.g. '--schedule-policy fcfs'")
+    parser.add_argument("--label", default="", help="suffix for the radixgen rows and the result files")
     args = parser.parse_args()
+    radixgen_args = shlex.split(args.radixgen_args)
 
     reports: list[ServingReport] = []
     rows: list[dict[str, Any]] = []
     for target in args.targets:
-        label = f"{target}-{args.dtype}"
+        label = f"{target}-{args.dtype}" + (f"-{args.label}" if args.label and target.startswith("radixgen") else "")
         try:
-            server = start(target, args.dtype)
+            server = start(target, args.dtype, radixgen_args)
         except (OSError, RuntimeError, TimeoutError) as e:
             rows.append({"target": label, "note": f"not run: {e}"})
             continue
@@ -103,7 +108,7 @@ def main() -> int:
         if "note" in row:
             print(f"{row['target']}: {row['note']}")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = f"compare-{args.preset}-{args.dtype}"
+    name = f"compare-{args.preset}-{args.dtype}" + (f"-{args.label}" if args.label else "")
     import json
 
     (RESULTS / f"{name}.json").write_text(json.dumps({"rows": rows, "args": vars(args)}, indent=1))

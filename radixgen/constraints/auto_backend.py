@@ -67,6 +67,52 @@ def within_xgrammar_subset(schema: Any) -> bool:
     return True
 
 
+# Keywords xgrammar's automaton enforces exactly: an output it accepts under a schema built only
+# from these can never fail that schema's validators (the rewrite that closes objects and bounds
+# numbers only narrows the automaton further). format, uniqueItems, multipleOf, pattern (another
+# regex dialect), oneOf (read as anyOf) and fractional bounds are left to the validators.
+_EXACT_KEYWORDS = frozenset({
+    "type", "properties", "required", "additionalProperties", "items", "prefixItems", "enum", "const", "anyOf",
+    "$ref", "$defs", "definitions", "minItems", "maxItems", "minLength", "maxLength", "description", "title",
+    "default", "examples", "$schema", "$comment",
+})
+_INTEGER_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+
+
+def xgrammar_enforces_exactly(schema: Any) -> bool:
+    """True when xgrammar's automaton for ``schema`` only accepts outputs that satisfy it, so
+    validators have nothing left to reject and the output can stream as it is generated."""
+    if not within_xgrammar_subset(schema):
+        return False
+    return _exact_keywords_only(schema)
+
+
+def _exact_keywords_only(schema: Any) -> bool:
+    if isinstance(schema, bool):
+        return True
+    if not isinstance(schema, dict):
+        return False
+    allowed = _EXACT_KEYWORDS | (_INTEGER_BOUNDS if schema.get("type") == "integer" else frozenset())
+    if not schema.keys() <= allowed:
+        return False
+    if not set(schema.get("required", [])) <= set(schema.get("properties", {})):
+        return False  # xgrammar requires only the properties it generates (the suite's items.json)
+    for key, value in schema.items():
+        if key in _DATA or key in ("$schema", "$comment", "type", "required"):
+            continue
+        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+            subschemas = list(value.values())
+        elif key in ("anyOf", "prefixItems") and isinstance(value, list):
+            subschemas = value
+        elif isinstance(value, (dict, bool)) and key in ("items", "additionalProperties"):
+            subschemas = [value]
+        else:
+            continue
+        if not all(_exact_keywords_only(sub) for sub in subschemas):
+            return False
+    return True
+
+
 class AutoBackend(GrammarBackend):
     name = "auto"
 

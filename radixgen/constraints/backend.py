@@ -18,6 +18,10 @@ from radixgen.constraints.spec import ConstraintSpec
 class Grammar(ABC):
     """A compiled, immutable constraint. Thread-safe to share."""
 
+    enforces_schema_exactly: bool = False
+    """A JSON schema whose every keyword the automaton enforces: its outputs cannot fail the
+    schema's validators, so they need not hold the stream back for a possible rollback."""
+
     @abstractmethod
     def matcher(self) -> Matcher:
         """A fresh per-request matcher at the start state."""

@@ -89,7 +89,7 @@ def score_suite(files: list[Path], service: GrammarService, tokenizer: Any, stop
                 matcher = grammar.matcher()
                 ids = tokenizer.encode(text, add_special_tokens=False)
                 accepted = all(matcher.accept(i) for i in ids) and matcher.accept(stop_token_id)
-                if accepted:
+                if accepted and not grammar.enforces_schema_exactly:  # as the engine does: no validators then
                     accepted = Validation(schema=validators).feed(text, final=True) is None
                 counts[("valid_" if t["valid"] else "invalid_") + ("accepted" if accepted else "rejected")] += 1
         score.per_file[path.name] = counts

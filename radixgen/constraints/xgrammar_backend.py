@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixgen.constraints.auto_backend import xgrammar_enforces_exactly
 from radixgen.constraints.backend import Grammar, GrammarBackend, Matcher
 from radixgen.constraints.schema_rewrite import DEFAULT_OPTIONS, GrammarOptions, grammar_schema
 from radixgen.constraints.spec import ConstraintSpec
@@ -25,11 +26,14 @@ _SEPARATORS = (", ", ": ")
 
 
 class XGrammarMatcher(Matcher):
-    def __init__(self, compiled: Any) -> None:
+    def __init__(self, compiled: Any, allowed_words: np.ndarray | None = None) -> None:
         self._m = xgr.GrammarMatcher(compiled)
+        self._allowed_words = allowed_words
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         self._m.fill_next_token_bitmask(torch.from_numpy(bitmask), row)
+        if self._allowed_words is not None:
+            bitmask[row] &= self._allowed_words
 
     def accept(self, token_id: int) -> bool:
         return bool(self._m.accept_token(token_id))
@@ -45,11 +49,26 @@ class XGrammarMatcher(Matcher):
 
 
 class XGrammarGrammar(Grammar):
-    def __init__(self, compiled: Any) -> None:
+    def __init__(self, compiled: Any, allowed_words: np.ndarray | None = None) -> None:
         self.compiled = compiled
+        self.allowed_words = allowed_words
 
     def matcher(self) -> Matcher:
-        return XGrammarMatcher(self.compiled)
+        return XGrammarMatcher(self.compiled, self.allowed_words)
+
+
+def _words_without_control_bytes(decoded_vocab: list[bytes], vocab_size: int) -> np.ndarray:
+    """Bitmask words of the tokens whose bytes hold no control character (U+0000-U+001F).
+
+    xgrammar's JSON strings accept raw control characters, which JSON forbids (RFC 8259 7);
+    our JSON has no whitespace between tokens but single spaces, so no valid JSON output
+    contains one. Masking them makes the automaton exact for strings."""
+    allowed = np.ones(((vocab_size + 31) // 32) * 32, dtype=bool)
+    for token_id, raw in enumerate(decoded_vocab[:vocab_size]):
+        if any(byte < 0x20 for byte in raw):
+            allowed[token_id] = False
+    bits = np.packbits(allowed.reshape(-1, 32)[:, ::-1], axis=1).view(">u4").astype(np.uint32)
+    return bits.reshape(-1).view(np.int32)
 
 
 class XGrammarBackend(GrammarBackend):
@@ -59,6 +78,7 @@ class XGrammarBackend(GrammarBackend):
                  options: GrammarOptions = DEFAULT_OPTIONS) -> None:
         super().__init__(tokenizer, vocab_size, stop_token_ids, options=options)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self._json_words = _words_without_control_bytes(info.decoded_vocab, vocab_size)
         # GrammarService caches compiled grammars by spec already; a second cache would only hold memory
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
@@ -80,4 +100,6 @@ class XGrammarBackend(GrammarBackend):
                 compiled = self._compiler.compile_regex(f"({alternatives})")
         except (RuntimeError, ValueError) as e:
             raise InvalidConstraintError(f"cannot compile the {spec.kind.replace('_', ' ')}: {e}") from None
-        return XGrammarGrammar(compiled)
+        grammar = XGrammarGrammar(compiled, self._json_words if spec.kind in ("json_schema", "json_object") else None)
+        grammar.enforces_schema_exactly = spec.kind == "json_schema" and xgrammar_enforces_exactly(spec.schema())
+        return grammar

@@ -46,10 +46,14 @@ class ConstrainedDecoding:
     def attach(self, req: Request, grammar: Grammar) -> None:
         """Give a request whose grammar is ready its matcher and validators (loop thread)."""
         req.matcher = grammar.matcher()
-        req.validation = self._validation(req)
+        req.validation = self._validation(req, grammar)
 
-    def _validation(self, req: Request) -> Validation | None:
+    def _validation(self, req: Request, grammar: Grammar) -> Validation | None:
         params, spec = req.params, req.params.constraint
+        if grammar.enforces_schema_exactly and not params.validators and not (
+            isinstance(params.json_schema, type) and hasattr(params.json_schema, "model_validate")
+        ):
+            return None  # nothing to reject, so nothing to roll back: the output streams as it grows
         schema = model = None
         if spec is not None and spec.kind == "json_schema":
             schema = self._schema_validators.get(spec.value)

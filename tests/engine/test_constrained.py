@@ -186,3 +186,34 @@ def test_jump_forward_with_sampling_stays_valid(make_engine: Callable[..., Engin
         if out.finish_reason is FinishReason.STOP:
             jsonschema.validate(json.loads(out.text), JF_SCHEMAS[s % 2])
     assert engine.scheduler.stats.num_jump_forwards > 0
+
+
+@pytest.mark.parametrize(("schema", "streams"), [
+    # every keyword enforced by the automaton: nothing can be rolled back, text streams
+    ({"type": "object", "properties": {"topic": {"type": "string", "maxLength": 30},
+                                       "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}}},
+      "required": ["topic", "tags"]}, True),
+    # format is checked by a validator, which may roll text back: held until the end
+    ({"type": "object", "properties": {"when": {"type": "string", "format": "date"}}, "required": ["when"]}, False),
+])
+def test_json_streams_unless_a_validator_could_take_text_back(
+    tiny_engine: Engine, schema: dict[str, Any], streams: bool
+) -> None:
+    deltas: list[Any] = []
+    done = threading.Event()
+
+    def on_output(out: Any) -> None:
+        deltas.append(out)
+        if out.finished:
+            done.set()
+
+    tiny_engine.add_request("Reply in JSON:", SamplingParams(max_new_tokens=60, temperature=1.0, seed=3,
+                                                             json_schema=schema), on_output=on_output)
+    assert done.wait(60)
+    streamed = [d for d in deltas if not d.finished and d.new_text]
+    assert bool(streamed) == streams, [d.new_text for d in deltas]
+    if streams:
+        text = "".join(d.new_text for d in deltas)
+        assert text.startswith("{") and len(streamed) >= 3
+        if deltas[-1].finish_reason is FinishReason.STOP:
+            jsonschema.validate(json.loads(text), schema)

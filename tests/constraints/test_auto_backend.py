@@ -1,0 +1,46 @@
+"""Which schemas xgrammar enforces exactly (they stream without holding text back for the
+validators), and the control-character mask that makes its JSON strings exact."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+
+@pytest.mark.parametrize(("schema", "exact"), [
+    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}, "tags": {"type": "array", "items": {
+        "enum": ["a", "b"]}, "maxItems": 3}}, "required": ["n"], "additionalProperties": False}, True),
+    ({"type": "string", "format": "date"}, False),  # format: a validator's job
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, False),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, False),  # read as anyOf by xgrammar
+    ({"type": "number", "minimum": 0.5}, False),  # fractional bounds
+    ({"type": "string", "pattern": "^a+$"}, False),
+    ({"type": "object", "required": ["foo"]}, False),  # required but never generated
+    ({"type": "object", "properties": {"x": {"type": "string", "format": "email"}}}, False),  # nested
+])
+def test_which_schemas_xgrammar_enforces_exactly(schema: dict[str, Any], exact: bool) -> None:
+    from radixgen.constraints.auto_backend import xgrammar_enforces_exactly
+
+    assert xgrammar_enforces_exactly(schema) is exact
+
+
+def test_xgrammar_json_never_allows_control_characters(tokenizer: Any) -> None:
+    """xgrammar's length-bounded JSON strings take raw control characters, which JSON forbids;
+    our backend masks the tokens that carry them."""
+    from radixgen.constraints import make_backend
+    from radixgen.constraints.spec import ConstraintSpec
+
+    backend = make_backend("xgrammar", tokenizer, 49152, [tokenizer.eos_token_id])
+    grammar = backend.compile(ConstraintSpec("json_schema", json.dumps({"type": "string", "maxLength": 8})))
+    matcher = grammar.matcher()
+    assert matcher.accept(tokenizer.encode('"', add_special_tokens=False)[0])
+    mask = np.full((1, 49152 // 32), -1, dtype=np.int32)
+    matcher.fill_bitmask(mask, 0)
+    allowed = np.unpackbits(mask.view(np.uint8), bitorder="little").astype(bool)
+    # byte-level tokens: U+0100 + b stands for the control byte b
+    controls = tokenizer.convert_tokens_to_ids([chr(0x100 + b) for b in (0x01, 0x1F)] + ["Ċ", "ĉ"])
+    letter = tokenizer.encode("a", add_special_tokens=False)[0]
+    assert allowed[letter] and not allowed[controls].any()
