@@ -145,6 +145,8 @@ class Scheduler:
 
     def _schedule_prefill(self) -> StepPlan | None:
         budget = self.config.max_prefill_tokens
+        if self.running and self.config.mixed_steps:
+            budget = min(budget, self.config.max_mixed_prefill_tokens)
         chunk_cap = self.config.chunked_prefill_size or None
         room = self.pool.available() + self.tree.evictable_tokens() - sum(_reserve(r) for r in self.running)
         free_batch = self.config.max_running_requests - len(self.running)

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 from radixgen import Engine, SamplingParams
@@ -129,3 +130,36 @@ def test_decode_positions_after_a_mixed_step_whose_prefill_is_aborted() -> None:
     assert pool.req_to_token_host[after.rows[0], 13] == after.out_cache_loc[0]
     sched.abort("running")
     assert pool.available() + sched.tree.cached_tokens() == 512
+
+
+def test_a_step_that_decodes_takes_a_smaller_prefill_budget() -> None:
+    """Running requests wait for each step: with them decoding, a step prefills at most
+    max_mixed_prefill_tokens; with none, max_prefill_tokens."""
+    import numpy as np
+
+    from radixgen import EngineConfig
+    from radixgen.engine.kv_pool import KVPool
+    from radixgen.engine.request import Request
+    from radixgen.engine.sampler import SampleResult
+    from radixgen.engine.scheduler import Scheduler
+
+    config = EngineConfig(kv_cache_tokens=2048, max_context_len=512, max_prefill_tokens=256,
+                          max_mixed_prefill_tokens=64, chunked_prefill_size=128)
+    pool = KVPool(num_slots=2048, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32, device="cpu",
+                  max_rows=8, max_context_len=512)
+    sched = Scheduler(config, pool, None, eos_token_ids=())
+    params = SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
+    sched.add_request(Request("a", list(range(10, 110)), params, rng_seed=0))
+    sched.add_request(Request("b", list(range(200, 300)), params, rng_seed=0))
+    first = sched.schedule()
+    assert first.num_decode == 0 and first.num_tokens == 200  # nothing decoding: the full budget
+    sched.process_results(first, SampleResult(np.full(2, 7), None, None, None))
+    sched.add_request(Request("c", list(range(400, 600)), params, rng_seed=0))
+    mixed = sched.schedule()
+    assert mixed.num_decode == 2 and mixed.num_tokens - 2 == 64
+    sched.process_results(mixed, SampleResult(np.full(3, 7), None, None, None))
+    for rid in ("a", "b", "c"):
+        sched.abort(rid)
+    assert pool.available() + sched.tree.cached_tokens() == 2048
+    with pytest.raises(ValueError, match="max_mixed_prefill_tokens"):
+        EngineConfig(max_mixed_prefill_tokens=0)

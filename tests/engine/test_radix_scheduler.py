@@ -135,6 +135,8 @@ def test_event_log_has_one_record_per_step(make_engine: Callable[..., Engine], t
     log = tmp_path / "events.jsonl"
     engine = make_engine(event_log=str(log))
     engine.generate(["one prompt", "another prompt"], greedy(5))
+    # the last step's record is written just after its outputs wake generate()
+    engine.run_on_loop(lambda: None)
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(records) == engine.scheduler.stats.num_steps
     assert {"prefill", "decode"} <= {r["kind"] for r in records} <= {"prefill", "decode", "mixed"}
