@@ -51,20 +51,22 @@ def within_xgrammar_subset(schema: Any) -> bool:
     if literals is not None and (not isinstance(literals, list) or not literals
                                  or any(isinstance(v, (dict, list, float)) for v in literals)):
         return False  # empty, composite or fractional literals: xgrammar's text for them is not ours
+    return all(within_xgrammar_subset(sub) for sub in _subschemas(schema))
+
+
+def _subschemas(schema: dict[str, Any]) -> list[Any]:
+    """The schemas nested directly in ``schema`` (boolean ones left out: both readers agree on them)."""
+    found: list[Any] = []
     for key, value in schema.items():
         if key in _DATA:
             continue
         if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
-            subschemas = list(value.values())
+            found += value.values()
         elif key in ("anyOf", "oneOf", "prefixItems") and isinstance(value, list):
-            subschemas = value
-        elif isinstance(value, dict):  # items, additionalProperties, ...; false there is understood
-            subschemas = [value]
-        else:
-            continue
-        if not all(within_xgrammar_subset(sub) for sub in subschemas):
-            return False
-    return True
+            found += value
+        elif isinstance(value, dict):  # items, additionalProperties, ...
+            found.append(value)
+    return found
 
 
 # Keywords xgrammar's automaton enforces exactly: an output it accepts under a schema built only
@@ -97,20 +99,7 @@ def _exact_keywords_only(schema: Any) -> bool:
         return False
     if not set(schema.get("required", [])) <= set(schema.get("properties", {})):
         return False  # xgrammar requires only the properties it generates (the suite's items.json)
-    for key, value in schema.items():
-        if key in _DATA or key in ("$schema", "$comment", "type", "required"):
-            continue
-        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
-            subschemas = list(value.values())
-        elif key in ("anyOf", "prefixItems") and isinstance(value, list):
-            subschemas = value
-        elif isinstance(value, (dict, bool)) and key in ("items", "additionalProperties"):
-            subschemas = [value]
-        else:
-            continue
-        if not all(_exact_keywords_only(sub) for sub in subschemas):
-            return False
-    return True
+    return all(_exact_keywords_only(sub) for sub in _subschemas(schema))
 
 
 class AutoBackend(GrammarBackend):
