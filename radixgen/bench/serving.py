@@ -278,12 +278,13 @@ def plot(reports: list[ServingReport], path: Path) -> Path | None:
     except ImportError:
         return None
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
-    for report in reports:
+    colors = [f"C{i % 10}" for i in range(len(reports))]  # one color per target in every panel
+    for report, color in zip(reports, colors, strict=True):
         done = [r for r in report.measured() if r.error is None]
         for ax, metric in zip(axes[:3], ("ttft", "tpot", "latency"), strict=True):
             values = sorted(v for r in done if (v := getattr(r, metric)) is not None)
             if values:
-                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=report.target)
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=report.target, color=color)
     for ax, title in zip(axes[:3], ("time to first token (s)", "time per output token (s)", "end-to-end (s)"),
                          strict=True):
         ax.set_xlabel(title)
@@ -291,7 +292,7 @@ def plot(reports: list[ServingReport], path: Path) -> Path | None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     summaries = [r.summary() for r in reports]
-    axes[3].bar(range(len(summaries)), [s["output_tokens_per_s"] for s in summaries])
+    axes[3].bar(range(len(summaries)), [s["output_tokens_per_s"] for s in summaries], color=colors)
     axes[3].set_xticks(range(len(summaries)), [s["target"] for s in summaries], rotation=20, fontsize=7)
     axes[3].set_ylabel("output tokens / s")
     fig.tight_layout()
