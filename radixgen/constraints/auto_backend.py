@@ -13,94 +13,13 @@ alone, more with both. A backend that refuses a constraint hands it to the other
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from radixgen.constraints.backend import Grammar, GrammarBackend
 from radixgen.constraints.spec import ConstraintSpec
+from radixgen.constraints.xgrammar_subset import within_xgrammar_subset
 from radixgen.errors import InvalidConstraintError
 
 logger = logging.getLogger(__name__)
-
-# Keywords xgrammar does not read the way JSON Schema does (it ignores or approximates them).
-_OUTSIDE_XGRAMMAR = frozenset({
-    "allOf", "not", "if", "then", "else", "dependentSchemas", "dependentRequired", "unevaluatedProperties",
-    "unevaluatedItems", "patternProperties", "propertyNames", "contains", "minContains", "maxContains",
-    "$dynamicRef", "$dynamicAnchor", "$anchor", "$id", "minProperties", "maxProperties",
-})
-# Keywords that only make sense for one type: without "type" xgrammar assumes an object, where
-# JSON Schema lets every other type through.
-_TYPE_SPECIFIC = frozenset({
-    "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
-    "uniqueItems", "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
-    "exclusiveMaximum", "multipleOf",
-})
-_DATA = frozenset({"enum", "const", "default", "examples", "description", "title"})
-
-
-def within_xgrammar_subset(schema: Any) -> bool:
-    """True when xgrammar's automaton accepts exactly what ``schema`` does (up to the bounds we add)."""
-    if schema is True:
-        return True
-    if not isinstance(schema, dict):
-        return False  # false subschemas, malformed nodes: llguidance reports them precisely
-    if _OUTSIDE_XGRAMMAR & schema.keys():
-        return False
-    if "type" not in schema and _TYPE_SPECIFIC & schema.keys() and not {"$ref", "anyOf", "oneOf"} & schema.keys():
-        return False
-    literals = schema.get("enum", []) if "enum" in schema else [schema["const"]] if "const" in schema else None
-    if literals is not None and (not isinstance(literals, list) or not literals
-                                 or any(isinstance(v, (dict, list, float)) for v in literals)):
-        return False  # empty, composite or fractional literals: xgrammar's text for them is not ours
-    return all(within_xgrammar_subset(sub) for sub in _subschemas(schema))
-
-
-def _subschemas(schema: dict[str, Any]) -> list[Any]:
-    """The schemas nested directly in ``schema`` (boolean ones left out: both readers agree on them)."""
-    found: list[Any] = []
-    for key, value in schema.items():
-        if key in _DATA:
-            continue
-        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
-            found += value.values()
-        elif key in ("anyOf", "oneOf", "prefixItems") and isinstance(value, list):
-            found += value
-        elif isinstance(value, dict):  # items, additionalProperties, ...
-            found.append(value)
-    return found
-
-
-# Keywords xgrammar's automaton enforces exactly: an output it accepts under a schema built only
-# from these can never fail that schema's validators (the rewrite that closes objects and bounds
-# numbers only narrows the automaton further). format, uniqueItems, multipleOf, pattern (another
-# regex dialect), oneOf (read as anyOf) and fractional bounds are left to the validators.
-_EXACT_KEYWORDS = frozenset({
-    "type", "properties", "required", "additionalProperties", "items", "prefixItems", "enum", "const", "anyOf",
-    "$ref", "$defs", "definitions", "minItems", "maxItems", "minLength", "maxLength", "description", "title",
-    "default", "examples", "$schema", "$comment",
-})
-_INTEGER_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
-
-
-def xgrammar_enforces_exactly(schema: Any) -> bool:
-    """True when xgrammar's automaton for ``schema`` only accepts outputs that satisfy it, so
-    validators have nothing left to reject and the output can stream as it is generated."""
-    if not within_xgrammar_subset(schema):
-        return False
-    return _exact_keywords_only(schema)
-
-
-def _exact_keywords_only(schema: Any) -> bool:
-    if isinstance(schema, bool):
-        return True
-    if not isinstance(schema, dict):
-        return False
-    allowed = _EXACT_KEYWORDS | (_INTEGER_BOUNDS if schema.get("type") == "integer" else frozenset())
-    if not schema.keys() <= allowed:
-        return False
-    if not set(schema.get("required", [])) <= set(schema.get("properties", {})):
-        return False  # xgrammar requires only the properties it generates (the suite's items.json)
-    return all(_exact_keywords_only(sub) for sub in _subschemas(schema))
-
 
 class AutoBackend(GrammarBackend):
     name = "auto"

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixgen.constraints.auto_backend import xgrammar_enforces_exactly
 from radixgen.constraints.backend import Grammar, GrammarBackend, Matcher
 from radixgen.constraints.schema_rewrite import DEFAULT_OPTIONS, GrammarOptions, grammar_schema
 from radixgen.constraints.spec import ConstraintSpec
+from radixgen.constraints.xgrammar_subset import xgrammar_enforces_exactly
 from radixgen.errors import InvalidConstraintError
 
 try:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from radixgen.constraints import make_backend
-from radixgen.constraints.auto_backend import AutoBackend, within_xgrammar_subset
+from radixgen.constraints.auto_backend import AutoBackend
 from radixgen.constraints.schema_rewrite import (
     GrammarOptions,
     close_objects,
@@ -16,6 +16,7 @@ from radixgen.constraints.schema_rewrite import (
     limit_recursion,
 )
 from radixgen.constraints.spec import regex_spec, schema_spec
+from radixgen.constraints.xgrammar_subset import within_xgrammar_subset
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
 

@@ -22,7 +22,7 @@ import pytest
     ({"type": "object", "properties": {"x": {"type": "string", "format": "email"}}}, False),  # nested
 ])
 def test_which_schemas_xgrammar_enforces_exactly(schema: dict[str, Any], exact: bool) -> None:
-    from radixgen.constraints.auto_backend import xgrammar_enforces_exactly
+    from radixgen.constraints.xgrammar_subset import xgrammar_enforces_exactly
 
     assert xgrammar_enforces_exactly(schema) is exact
 
