@@ -50,19 +50,16 @@ class ConstrainedDecoding:
 
     def _validation(self, req: Request, grammar: Grammar) -> Validation | None:
         params, spec = req.params, req.params.constraint
-        if grammar.enforces_schema_exactly and not params.validators and not (
-            isinstance(params.json_schema, type) and hasattr(params.json_schema, "model_validate")
-        ):
-            return None  # nothing to reject, so nothing to roll back: the output streams as it grows
-        schema = model = None
-        if spec is not None and spec.kind == "json_schema":
+        model = params.json_schema if isinstance(params.json_schema, type) and hasattr(
+            params.json_schema, "model_validate") else None
+        schema = None
+        # an automaton that enforces the whole schema leaves its validators nothing to reject
+        if spec is not None and spec.kind == "json_schema" and not grammar.enforces_schema_exactly:
             schema = self._schema_validators.get(spec.value)
             if schema is None:
                 schema = self._schema_validators[spec.value] = SchemaValidators(spec.schema())
-            if isinstance(params.json_schema, type) and hasattr(params.json_schema, "model_validate"):
-                model = params.json_schema
         if schema is None and model is None and not params.validators:
-            return None
+            return None  # nothing can roll text back: the output streams as it grows
         return Validation(schema=schema, model=model, user=params.validators)
 
     def bitmask(self, plan: StepPlan) -> torch.Tensor | None:

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import torch
 
-from radixgen.config import EngineConfig
+from radixgen.config import AttentionBackend, EngineConfig
 from radixgen.engine.batch import StepPlan, build_attention_plan
 from radixgen.engine.kv_pool import KVPool
 from radixgen.kernels import decode_attention_op
@@ -35,7 +35,8 @@ def set_compute_threads(num_threads: int | None) -> int:
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, pool: KVPool, device: torch.device, attention_backend: str = "auto"
+        self, model: LlamaForCausalLM, pool: KVPool, device: torch.device,
+        attention_backend: AttentionBackend = "auto",
     ) -> None:
         self.model = model
         self.pool = pool

@@ -1,11 +1,12 @@
 """The scheduling loop's brain: which requests run this step, and what their results mean.
 
-Each step is either a prefill batch or a decode batch, never both. A prefill batch admits
-waiting requests (by policy) under a token budget, the running cap and the KV room left after
-reserving part of what running requests may still generate; each admitted request first takes
-its longest cached prefix from the radix tree (locked while it runs) and computes only the rest.
-Prompts longer than ``chunked_prefill_size`` are computed a chunk per step with decode steps in
-between. Under KV pressure, unlocked tree leaves are evicted first; if that is not enough the most
+Each step is a prefill batch or a decode batch; with ``mixed_steps`` a prefill batch also
+carries every running request's next token (its rows last), under a smaller prefill budget. A
+prefill batch admits waiting requests (by policy) under a token budget, the running cap and the
+KV room left after reserving part of what running requests may still generate; each admitted
+request first takes its longest cached prefix from the radix tree (locked while it runs) and
+computes only the rest. Prompts longer than ``chunked_prefill_size`` are computed a chunk per
+step, the running requests decoding in between (inside those steps when they are mixed). Under KV pressure, unlocked tree leaves are evicted first; if that is not enough the most
 recently admitted running requests are retracted (their computed tokens go into the tree, so
 they resume cheaply). When a request ends, its sequence is inserted into the tree.
 """
@@ -40,6 +41,18 @@ _LPM_MAX_QUEUE = 128
 
 def _reserve(req: Request) -> int:
     return int(min(req.params.max_new_tokens - len(req.output_ids), _RESERVE_CLIP) * _RESERVE_RATIO)
+
+
+def _rows_and_positions(reqs: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+    """req_to_token row and position of each running request's next decode token."""
+    rows = np.fromiter((r.pool_row for r in reqs), dtype=np.int64, count=len(reqs))
+    positions = np.fromiter((r.seq_len - 1 for r in reqs), dtype=np.int64, count=len(reqs))
+    return rows, positions
+
+
+def _last_tokens(reqs: list[Request]) -> np.ndarray:
+    """Each running request's newest token: the input of its next decode step."""
+    return np.fromiter((r.output_ids[-1] for r in reqs), dtype=np.int64, count=len(reqs))
 
 
 def _prompt_scoring(reqs: list[Request], prefix_lens: np.ndarray, extend_lens: np.ndarray) -> PromptScoring | None:
@@ -272,8 +285,7 @@ class Scheduler:
         if slots is None:
             self._decode_turn = True
             return plan
-        rows = np.fromiter((r.pool_row for r in reqs), dtype=np.int64, count=len(reqs))
-        positions = np.fromiter((r.seq_len - 1 for r in reqs), dtype=np.int64, count=len(reqs))
+        rows, positions = _rows_and_positions(reqs)
         self.pool.write(rows, positions, slots)
         self._decode_arrays = None  # the next decode step's positions are not the last ones + 1
         self._decode_turn = False  # the running requests decode in this step
@@ -283,11 +295,11 @@ class Scheduler:
             kind=StepKind.PREFILL, requests=plan.requests + reqs, rows=np.concatenate([plan.rows, rows]),
             prefix_lens=np.concatenate([plan.prefix_lens, positions]),
             extend_lens=np.concatenate([plan.extend_lens, ones]),
-            input_ids=np.concatenate([plan.input_ids, [r.output_ids[-1] for r in reqs]]).astype(np.int64),
+            input_ids=np.concatenate([plan.input_ids, _last_tokens(reqs)]),
             positions=np.concatenate([plan.positions, positions]),
             out_cache_loc=np.concatenate([plan.out_cache_loc, slots]),
             sample_mask=np.concatenate([plan.sample_mask, ones.astype(bool)]) if plan.sample_mask is not None else None,
-            verify_counts=np.concatenate([plan.verify_counts, 0 * ones]) if plan.verify_counts is not None else None,
+            verify_counts=np.concatenate([plan.verify_counts, np.zeros_like(ones)]) if plan.verify_counts is not None else None,
             prompt_scoring=plan.prompt_scoring,  # indexes the prefill rows, which keep their places
             num_decode=len(reqs),
         )
@@ -309,11 +321,10 @@ class Scheduler:
             # same batch as the last decode step: every sequence grew by exactly one token
             rows, positions = cached[1], cached[2] + 1
         else:
-            rows = np.fromiter((r.pool_row for r in reqs), dtype=np.int64, count=batch)
-            positions = np.fromiter((r.seq_len - 1 for r in reqs), dtype=np.int64, count=batch)
+            rows, positions = _rows_and_positions(reqs)
         self._decode_arrays = (self.running_version, rows, positions)
         self.pool.write(rows, positions, slots)
-        input_ids = np.fromiter((r.output_ids[-1] for r in reqs), dtype=np.int64, count=batch)
+        input_ids = _last_tokens(reqs)
         self._step.new_tokens = batch
         return StepPlan(
             kind=StepKind.DECODE, requests=reqs, rows=rows, prefix_lens=positions,
