@@ -30,6 +30,12 @@ class EngineConfig:
     """auto: decode on CPU reads K/V straight from the pool with radixgen's C++ kernel (built
     once per machine with the system compiler, ~10 s, cached under $RADIXGEN_CACHE/kernels);
     gather + SDPA where it cannot be built and on other devices. sdpa: always gather + SDPA."""
+    small_linear_max_tokens: int = 2
+    """CPU: steps with at most this many tokens (batch-1 and batch-2 decode) run the linear
+    layers as matrix-vector products over a plain copy of each weight kept beside oneDNN's
+    packed one (batch 1 fp32: 24.7 -> 16.6 ms per step for SmolLM2's linears). The copy costs
+    the linear weights' size in memory again (a tied LM head shares the embedding); 0 turns the
+    path off and frees it."""
     seed: int = 0
     """Seed for requests that give none (each such request still gets its own stream)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -11,7 +12,7 @@ import torch
 from radixgen.config import AttentionBackend, EngineConfig
 from radixgen.engine.batch import StepPlan, build_attention_plan
 from radixgen.engine.kv_pool import KVPool
-from radixgen.kernels import decode_attention_op
+from radixgen.kernels import CpuKernels, cpu_kernels
 from radixgen.models import LlamaForCausalLM, LoadedModel, load_model, torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -36,12 +37,19 @@ def set_compute_threads(num_threads: int | None) -> int:
 class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, pool: KVPool, device: torch.device,
-        attention_backend: AttentionBackend = "auto",
+        attention_backend: AttentionBackend = "auto", small_linear_max_tokens: int = 2,
     ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
-        self.decode_kernel = decode_attention_op() if attention_backend == "auto" and device.type == "cpu" else None
+        self.kernels: CpuKernels | None = None
+        if device.type == "cpu":
+            kernels = cpu_kernels()
+            if kernels is not None:
+                self.kernels = dataclasses.replace(kernels, small_linear_max_tokens=small_linear_max_tokens)
+        self.decode_kernel = self.kernels.decode_attention if self.kernels and attention_backend == "auto" else None
+        if small_linear_max_tokens <= 0:
+            model.drop_plain_weights()
 
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None) -> tuple[ModelRunner, LoadedModel]:
@@ -58,7 +66,10 @@ class ModelRunner:
             max_rows=config.max_running_requests, max_context_len=max_context,
         )
         logger.info("KV pool: %d tokens (%.2f GiB), context %d", num_slots, num_slots * per_token / 2**30, max_context)
-        return cls(loaded.model, pool, torch.device(config.device), config.attention_backend), loaded
+        runner = cls(
+            loaded.model, pool, torch.device(config.device), config.attention_backend, config.small_linear_max_tokens,
+        )
+        return runner, loaded
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """float32 logits [B + sum(verify_counts) + S, vocab]: the last new token of every request;
@@ -75,7 +86,7 @@ class ModelRunner:
         if plan.prompt_scoring is not None:
             last = np.concatenate([last, plan.prompt_scoring.token_index])
         logits_index = torch.from_numpy(last).to(device)
-        return self.model(input_ids, positions, attn, self.pool.k, self.pool.v, logits_index)
+        return self.model(input_ids, positions, attn, self.pool.k, self.pool.v, logits_index, self.kernels)
 
 
 def split_prompt_scores(plan: StepPlan, logits: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:

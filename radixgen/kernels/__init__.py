@@ -1,5 +1,9 @@
 """Native CPU kernels, compiled on first use with the system C++ compiler and cached.
 
+Three sources, one extension registering ops under ``torch.ops.radixgen``: decode attention
+over the KV pool (decode_attention.cpp), a matrix-vector linear for one or two tokens
+(small_linear.cpp), and the fused element-wise steps of a layer (fused_ops.cpp).
+
 The build goes through ``torch.utils.cpp_extension`` into ``$RADIXGEN_CACHE/kernels``, keyed by
 torch version, machine and source hash (torch rebuilds when the source changes), so a machine
 pays the ~10 s compile once. Every kernel has a pure-PyTorch path beside it: where no compiler
@@ -12,13 +16,16 @@ import logging
 import os
 import platform
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("decode_attention.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.cpp", "small_linear.cpp", "fused_ops.cpp")]
+_OPS = ("decode_attention", "small_linear", "rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul")
 # Release flags that keep IEEE semantics apart from reassociation (so the dot products
 # vectorise); -ffast-math would link crtfastmath and flush denormals process-wide. -fopenmp:
 # at::parallel_for is an OpenMP pragma in a header and runs serially without it; torch ships
@@ -34,42 +41,81 @@ _state: dict[str, object] = {}
 
 
 def _build_dir() -> Path:
+    """One folder per torch version, machine and kernel sources: torch's builder hashes the
+    .cpp files it is given but not the header they share."""
+    import hashlib
+
     from radixgen.models.loader import cache_dir
 
-    tag = f"torch{torch.__version__.replace('+', '_')}-{platform.machine()}"
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.[ch]*")):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.read_bytes())
+    tag = f"torch{torch.__version__.replace('+', '_')}-{platform.machine()}-{digest.hexdigest()[:12]}"
     path = cache_dir() / "kernels" / tag
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def decode_attention_op():
-    """``torch.ops.radixgen.decode_attention`` (built on first call), or None when it cannot be
-    built here or ``RADIXGEN_DISABLE_KERNELS=1``. Thread-safe; the outcome is remembered."""
+@dataclass(frozen=True)
+class CpuKernels:
+    """The native ops a CPU forward calls (each an overload of ``torch.ops.radixgen``)."""
+
+    decode_attention: Any
+    small_linear: Any
+    rms_norm: Any
+    add_rms_norm: Any
+    rope_store_kv: Any
+    silu_mul: Any
+    small_linear_max_tokens: int = 2
+    """Linear layers of steps with at most this many tokens use ``small_linear`` (a
+    matrix-vector product over the plain weight); larger steps use oneDNN's blocked GEMM."""
+
+
+def cpu_kernels() -> CpuKernels | None:
+    """The native ops (built on first call), or None when they cannot be built here or
+    ``RADIXGEN_DISABLE_KERNELS=1``. Thread-safe; the outcome is remembered."""
     with _lock:
-        if "decode_attention" not in _state:
-            _state["decode_attention"] = _load_decode_attention()
-        return _state["decode_attention"]
+        if "ops" not in _state:
+            _state["ops"] = _load()
+        namespace = _state["ops"]
+    if namespace is None:
+        return None
+    return CpuKernels(**{name: getattr(namespace, name).default for name in _OPS})
 
 
-def _load_decode_attention():
+def decode_attention_op() -> Any:
+    """``torch.ops.radixgen.decode_attention``, or None where the native ops are unavailable."""
+    kernels = cpu_kernels()
+    return kernels.decode_attention if kernels is not None else None
+
+
+def _registered() -> Any:
+    namespace = getattr(torch.ops, "radixgen", None)
+    if namespace is not None and all(hasattr(namespace, name) for name in _OPS):
+        return namespace
+    return None
+
+
+def _load() -> Any:
     if os.environ.get("RADIXGEN_DISABLE_KERNELS") == "1":
         logger.info("native kernels disabled by RADIXGEN_DISABLE_KERNELS=1")
         return None
-    if hasattr(torch.ops, "radixgen") and hasattr(torch.ops.radixgen, "decode_attention"):
-        return torch.ops.radixgen.decode_attention  # registered by an earlier load in this process
+    if _registered() is not None:
+        return _registered()  # loaded earlier in this process
     try:
         from torch.utils.cpp_extension import load
 
         _put_ninja_on_path()
 
-        logger.info("building the CPU decode-attention kernel (first start on this machine only)")
+        logger.info("building the CPU kernels (first start on this machine only)")
         load(
-            name="radixgen_decode_attention", sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
-            build_directory=str(_build_dir()), is_python_module=False, verbose=False,
+            name="radixgen_kernels", sources=[str(p) for p in _SOURCES], extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS, build_directory=str(_build_dir()), is_python_module=False, verbose=False,
         )
-        return torch.ops.radixgen.decode_attention
+        return _registered()
     except Exception as exc:  # no compiler, no ninja, a failed build: fall back, loudly
-        logger.warning("CPU decode-attention kernel unavailable (%s); decode uses gather + SDPA", exc)
+        logger.warning("CPU kernels unavailable (%s); the model runs on PyTorch ops alone", exc)
         return None
 
 

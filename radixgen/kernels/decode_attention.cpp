@@ -9,39 +9,18 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "common.h"
+
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kPrefetch = 8;  // rows ahead: slots are scattered over the pool
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-
-// exp(x) for x <= 0 in a form the compiler vectorises (std::exp stays a scalar libm call and
-// took a third of the kernel's time): x = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-7
-// Taylor polynomial (relative error < 1e-8 before float rounding), 2^n built in the exponent bits.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // exp(-87) ~ 1.6e-38: still a normal float
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;  // ln2 = hi + lo
-  float p = 1.0f / 5040;
-  p = p * r + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using radixgen::exp_approx;
+using radixgen::to_float;
 
 // Attention of the `group` query heads that share kv head `h`, for one request.
 template <typename scalar_t, int kDim>
@@ -74,7 +53,7 @@ void attend_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
     for (int64_t j = 0; j < len; ++j) peak = std::max(peak, s[j]);
     float total = 0.f;
     for (int64_t j = 0; j < len; ++j) {
-      s[j] = exp_nonpositive(s[j] - peak);
+      s[j] = exp_approx(s[j] - peak);
       total += s[j];
     }
     inv_sum[g] = 1.f / total;
@@ -171,7 +150,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
   return out;
 }
 
-TORCH_LIBRARY(radixgen, m) {
+TORCH_LIBRARY_FRAGMENT(radixgen, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor rows, "
         "Tensor seq_lens, float scale) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));

@@ -67,27 +67,39 @@ def paged_attention(
     """Write the new K/V into the pool, attend, and return [T, heads * head_dim]."""
     k_cache[plan.out_cache_loc] = k
     v_cache[plan.out_cache_loc] = v
+    return attend_pool(q, k_cache, v_cache, plan, k, v)
+
+
+def attend_pool(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
+    k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of q over the pool, whose K/V already include this step's tokens (``k``/``v``:
+    the new tokens' K/V when the caller still has them; else read back from the pool where a
+    path needs them). Returns [T, heads * head_dim]."""
     if plan.decode_tail is None:
         return _attend_written(q, k, v, k_cache, v_cache, plan)
     # Decode rows would be padded to the prefill's query length in one SDPA call; each part
     # takes its own path instead.
     n = plan.num_prefill_tokens
     return torch.cat([
-        _attend_written(q[:n], k[:n], v[:n], k_cache, v_cache, plan),
-        _attend_written(q[n:], k[n:], v[n:], k_cache, v_cache, plan.decode_tail),
+        _attend_written(q[:n], None if k is None else k[:n], None if v is None else v[:n], k_cache, v_cache, plan),
+        _attend_written(q[n:], None, None, k_cache, v_cache, plan.decode_tail),
     ])
 
 
 def _attend_written(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    plan: AttentionPlan,
+    q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, plan: AttentionPlan,
 ) -> torch.Tensor:
-    """Attention of q over the pool, whose K/V already include this step's tokens."""
     num_tokens, num_heads, head_dim = q.shape
     if plan.decode_kernel is not None:
         out = plan.decode_kernel(q, k_cache, v_cache, plan.req_to_token, plan.rows, plan.seq_lens, head_dim**-0.5)
         return out.view(num_tokens, num_heads * head_dim)
     if plan.is_single_causal:
+        if k is None or v is None:
+            slots = plan.out_cache_loc[:num_tokens]
+            k, v = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0), is_causal=True, enable_gqa=True,

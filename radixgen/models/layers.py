@@ -5,6 +5,11 @@ On CPU, linear weights are handed to oneDNN once in its own blocked layout and a
 fp32 batch 1 / 8 / 64 took 9.8 / 11.1 / 49 ms packed against 12 / 30 / 72-85 ms for the best
 of ``x @ W.t()`` layouts through MKL, whose small-batch fp32 GEMMs are slow; bf16 6.4 / 7.6 /
 21.5 ms against 10 / 11 / 26 ms. Elsewhere (CUDA, or a torch without oneDNN) ``F.linear``.
+
+Every ``forward`` takes the step's ``CpuKernels`` (None: PyTorch ops only). With them, steps of
+one or two tokens run the linears as matrix-vector products over the plain weight, which is
+kept beside the packed one for that (``radixgen/kernels/small_linear.cpp``), and norms, rotary
+and SiLU*up are one fused native op each.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import math
 import torch
 from torch import nn
 
+from radixgen.kernels import CpuKernels
 from radixgen.models.config import RopeScaling
 
 # The batch size oneDNN is told to expect when reordering; 64 was the best all-rounder for
@@ -31,7 +37,7 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 
 class Linear(nn.Module):
-    """y = x @ W.T + b, with W [out, in] in HF layout until ``pack()`` moves it to oneDNN's."""
+    """y = x @ W.T + b, W [out, in] in HF layout; ``pack()`` adds oneDNN's layout of it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -39,13 +45,17 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self._packed: torch.Tensor | None = None
 
-    def pack(self) -> None:
-        """Reorder the weight for oneDNN (CPU only); the plain copy is dropped to save memory."""
+    def pack(self, keep_plain: bool = True) -> None:
+        """Reorder the weight for oneDNN (CPU only). The plain copy stays for ``small_linear``
+        unless ``keep_plain`` is False (then its memory is freed, for good)."""
         if self._packed is None and _can_pack(self.weight):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, _PACK_BATCH_HINT)
+        if not keep_plain and self._packed is not None:
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
+        if kernels is not None and x.shape[0] <= kernels.small_linear_max_tokens and self.weight.numel():
+            return kernels.small_linear(x, self.weight, self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return nn.functional.linear(x, self.weight, self.bias)
@@ -57,13 +67,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
+        if kernels is not None:
+            return kernels.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 and round before the weight multiply, as transformers'
         # LlamaRMSNorm does, so bf16 rounds the same way; one fused op for the normalisation.
         if x.dtype == torch.float32:
             return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, kernels: CpuKernels | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); the native op updates ``residual`` in place."""
+        if kernels is not None:
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps), residual
+        residual = residual + x
+        return self(residual), residual
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -133,6 +154,9 @@ class SwiGLU(nn.Module):
         self.gate_up = Linear(hidden, 2 * intermediate, bias, dtype)
         self.down = Linear(intermediate, hidden, bias, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)  # 2 x [T, I]
+    def forward(self, x: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
+        gate_up = self.gate_up(x, kernels)
+        if kernels is not None:
+            return self.down(kernels.silu_mul(gate_up), kernels)
+        gate, up = gate_up.split(self.intermediate, dim=-1)  # 2 x [T, I]
         return self.down(nn.functional.silu(gate) * up)

@@ -7,12 +7,27 @@ token stream for the whole batch plus an ``AttentionPlan``; there is no batch di
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from radixgen.models.attention import AttentionPlan, paged_attention
+from radixgen.kernels import CpuKernels
+from radixgen.models.attention import AttentionPlan, attend_pool, paged_attention
 from radixgen.models.config import ModelConfig
 from radixgen.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
+
+
+@dataclass
+class StepInputs:
+    """What every layer of one forward shares."""
+
+    plan: AttentionPlan
+    positions: torch.Tensor  # [T]
+    kernels: CpuKernels | None
+    """Native CPU ops; None runs PyTorch ops alone (other devices, or no compiler)."""
+    cos: torch.Tensor | None = None  # [T, 1, head_dim] rotary tables, PyTorch path only
+    sin: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -25,16 +40,21 @@ class Attention(nn.Module):
         self.qkv = Linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.attention_bias, dtype)
         self.o = Linear(q_size, cfg.hidden_size, False, dtype)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
-        k_cache: torch.Tensor, v_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        qkv = self.qkv(x)  # [T, (heads + 2 kv_heads) * head_dim]
+    def forward(self, x: torch.Tensor, step: StepInputs, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        num_tokens, kernels = x.shape[0], step.kernels
+        qkv = self.qkv(x, kernels)  # [T, (heads + 2 kv_heads) * head_dim]
+        if kernels is not None:
+            # rotary on q and k, and k/v written to the pool, in one op
+            rope = self.rope[0]
+            q = kernels.rope_store_kv(
+                qkv, step.positions, rope.cos, rope.sin, k_cache, v_cache, step.plan.out_cache_loc, self.num_heads,
+            )
+            return self.o(attend_pool(q, k_cache, v_cache, step.plan), kernels)
+        assert step.cos is not None and step.sin is not None
         qk = qkv[:, : self.qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = self.rope[0].rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = self.rope[0].rotate(qk, step.cos, step.sin).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, k_cache, v_cache, plan)  # [T, heads*head_dim]
+        out = paged_attention(q, k, v, k_cache, v_cache, step.plan)  # [T, heads*head_dim]
         return self.o(out)
 
 
@@ -47,11 +67,19 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
-        k_cache: torch.Tensor, v_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, plan, k_cache, v_cache)
-        return x + self.mlp(self.post_attn_norm(x))
+        self, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs, k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output, or the embeddings with ``residual`` None.
+        Returns (this layer's MLP output, the residual stream before it is added): the add is
+        left to the next norm, which fuses it."""
+        kernels = step.kernels
+        if residual is None:
+            residual, h = x, self.input_norm(x, kernels)
+        else:
+            h, residual = self.input_norm.add_and_norm(x, residual, kernels)
+        h, residual = self.post_attn_norm.add_and_norm(self.attn(h, step, k_cache, v_cache), residual, kernels)
+        return self.mlp(h, kernels), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -77,14 +105,20 @@ class LlamaForCausalLM(nn.Module):
         k_caches: torch.Tensor,  # [layers, slots, kv_heads, head_dim]
         v_caches: torch.Tensor,
         logits_index: torch.Tensor,  # [N] rows of T whose next-token logits are wanted
+        kernels: CpuKernels | None = None,
     ) -> torch.Tensor:
         """Return float32 logits [N, vocab] for the selected positions."""
-        x = self.embed[input_ids]  # [T, hidden]
-        cos, sin = self.rope.tables(positions)
+        x = self.embed[input_ids]  # [T, hidden]; a fresh tensor, so the residual may be updated in place
+        step = StepInputs(plan, positions, kernels)
+        if kernels is None:
+            step.cos, step.sin = self.rope.tables(positions)
+        residual: torch.Tensor | None = None
         for layer, k_cache, v_cache in zip(self.decoder_layers(), k_caches, v_caches, strict=True):
-            x = layer(x, cos, sin, plan, k_cache, v_cache)
-        x = self.norm(x[logits_index])  # the norm is per row, so selecting first is exact
-        return self.lm_head(x).float()
+            x, residual = layer(x, residual, step, k_cache, v_cache)
+        assert residual is not None
+        # the norm is per row, so selecting first is exact
+        x, _ = self.norm.add_and_norm(x[logits_index], residual[logits_index], kernels)
+        return self.lm_head(x, kernels).float()
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy an HF-named state dict in, fusing q/k/v and gate/up and transposing linears."""
@@ -118,3 +152,12 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed  # the plain head the small-batch path reads: no second copy
+
+    def drop_plain_weights(self) -> None:
+        """Free the plain copies of oneDNN-packed weights (the small-batch path then uses
+        oneDNN too): saves the size of the model's linear weights in memory."""
+        for module in self.modules():
+            if isinstance(module, Linear) and module.weight is not self.embed:
+                module.pack(keep_plain=False)

@@ -178,6 +178,16 @@ def test_api_key_and_queue_limit(start_server: Callable[..., LiveServer], monkey
     srv.stop()
 
 
+async def _until_active(srv: LiveServer, count: int) -> None:
+    """Wait until the server holds ``count`` requests in flight: the engine is killed in the
+    middle of them, not after a fixed sleep that a fast enough engine finishes within."""
+    deadline = time.monotonic() + 30
+    async with httpx.AsyncClient(timeout=10, headers=srv.headers) as http:
+        while (await http.get(srv.url + "/internal/stats")).json()["active_requests"] < count:
+            assert time.monotonic() < deadline, "the requests never started"
+            await asyncio.sleep(0.01)
+
+
 def test_engine_death_gives_503_not_a_hang(start_server: Callable[..., LiveServer]) -> None:
     srv = start_server("--engine-restarts", "0")
     pid = srv.stats()["engine_pid"]
@@ -188,7 +198,7 @@ def test_engine_death_gives_503_not_a_hang(start_server: Callable[..., LiveServe
 
     async def scenario() -> httpx.Response:
         task = asyncio.create_task(in_flight())
-        await asyncio.sleep(1.0)
+        await _until_active(srv, 1)
         os.kill(pid, signal.SIGKILL)
         return await task
 
@@ -219,7 +229,7 @@ def test_a_crashed_engine_is_restarted_and_serves_again(start_server: Callable[.
                             events.append(line)
 
             stream = asyncio.create_task(streamed())
-            await asyncio.sleep(1.0)
+            await _until_active(srv, 2)
             os.kill(pid, signal.SIGKILL)
             await asyncio.wait_for(stream, 30)
             return await asyncio.wait_for(plain, 30), events

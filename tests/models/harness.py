@@ -9,17 +9,21 @@ import torch
 
 from radixgen.engine.batch import StepKind, StepPlan, build_attention_plan
 from radixgen.engine.kv_pool import KVPool
+from radixgen.kernels import CpuKernels
 from radixgen.models import LlamaForCausalLM
 
 
 class PoolHarness:
     def __init__(
         self, model: LlamaForCausalLM, num_slots: int = 4096, max_rows: int = 8, max_context_len: int = 1024,
-        decode_kernel: Callable[..., torch.Tensor] | None = None,
+        decode_kernel: Callable[..., torch.Tensor] | None = None, kernels: CpuKernels | None = None,
     ) -> None:
+        """``kernels``: the native ops the forward uses (None: PyTorch ops only); decode attention
+        uses ``decode_kernel`` either way, as in the engine's attention_backend."""
         cfg = model.config
         self.model = model
         self.decode_kernel = decode_kernel
+        self.kernels = kernels
         self.pool = KVPool(
             num_slots=num_slots, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, dtype=model.embed.dtype, device="cpu", max_rows=max_rows,
@@ -50,6 +54,7 @@ class PoolHarness:
         )
         all_rows = torch.arange(plan.num_tokens)
         logits = self.model(
-            torch.from_numpy(plan.input_ids), torch.from_numpy(positions), attn, self.pool.k, self.pool.v, all_rows
+            torch.from_numpy(plan.input_ids), torch.from_numpy(positions), attn, self.pool.k, self.pool.v, all_rows,
+            self.kernels,
         )
         return list(logits.split(extend.tolist()))

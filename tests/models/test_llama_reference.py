@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from radixgen.kernels import decode_attention_op
+from radixgen.kernels import cpu_kernels
 from radixgen.models import ModelConfig, build_model
 from tests.conftest import make_tiny_hf_model
 from tests.models.harness import PoolHarness
@@ -42,26 +42,30 @@ def _prompt(seed: int, n: int) -> list[int]:
     return torch.randint(3, 49152, (n,), generator=g).tolist()
 
 
-def _decode_kernel(path: str) -> Any:
-    """None for gather + SDPA; the native pool-reading kernel (skips where it cannot build)."""
-    if path == "sdpa":
-        return None
-    op = decode_attention_op()
-    if op is None:
-        pytest.skip("the CPU decode-attention kernel does not build here")
-    return op
+PATHS = ["torch", "native", "native-sdpa"]
+"""torch: PyTorch ops alone (gather + SDPA decode); native: every CPU kernel, the engine's
+default; native-sdpa: the fused layer ops with gather + SDPA decode (attention_backend=sdpa)."""
 
 
-@pytest.mark.parametrize("decode_path", ["sdpa", "kernel"])
+def _harness(model: Any, path: str) -> PoolHarness:
+    if path == "torch":
+        return PoolHarness(model)
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels do not build here")
+    return PoolHarness(model, decode_kernel=kernels.decode_attention if path == "native" else None, kernels=kernels)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", sorted(TINY_CASES))
-def test_tiny_prefill_and_decode_match_transformers(case: str, decode_path: str) -> None:
+def test_tiny_prefill_and_decode_match_transformers(case: str, path: str) -> None:
     spec = dict(TINY_CASES[case])
     hf = make_tiny_hf_model(spec.pop("kind"), seed=1, **spec)
     ours = ours_from_hf(hf)
     assert ours.config.attention_bias == (case == "qwen2-bias")
     ids = _prompt(0, 90)
     ref = hf_logits(hf, ids)
-    harness = PoolHarness(ours, decode_kernel=_decode_kernel(decode_path))
+    harness = _harness(ours, path)
     # prefill 80 tokens, then decode the rest one token per step through the pool
     (prefill,) = harness.extend([(0, ids[:80])])
     torch.testing.assert_close(prefill, ref[:80], atol=2e-4, rtol=0)
@@ -71,19 +75,23 @@ def test_tiny_prefill_and_decode_match_transformers(case: str, decode_path: str)
     assert ref.abs().max() > 0.5, "logits too small for the tolerance to mean anything"
 
 
-@pytest.mark.parametrize("decode_path", ["sdpa", "kernel"])
-def test_batched_extend_with_cached_prefixes_matches_transformers(decode_path: str) -> None:
-    """Requests of different lengths in one step, some extending a cached prefix."""
-    hf = make_tiny_hf_model("llama", seed=2)
-    harness = PoolHarness(ours_from_hf(hf), decode_kernel=_decode_kernel(decode_path))
+@pytest.mark.parametrize("path", PATHS)
+def test_batched_extend_with_cached_prefixes_matches_transformers(path: str) -> None:
+    """Requests of different lengths in one step, some extending a cached prefix; decode steps
+    of one, two and three requests (the native path changes linear kernels at two tokens)."""
+    hf = make_tiny_hf_model("qwen2", seed=2)
+    harness = _harness(ours_from_hf(hf), path)
     a, b, c = _prompt(1, 40), _prompt(2, 75), _prompt(3, 9)
     harness.extend([(0, a[:30]), (1, b[:50])])
     outs = harness.extend([(0, a[30:]), (1, b[50:]), (2, c)])  # extend, extend, fresh prefill
     for out, ids, start in zip(outs, (a, b, c), (30, 50, 0), strict=True):
         torch.testing.assert_close(out, hf_logits(hf, ids)[start:], atol=2e-4, rtol=0)
-    decode = harness.extend([(0, [5]), (1, [6]), (2, [7])])  # mixed-length decode batch
-    for out, ids, tok in zip(decode, (a, b, c), (5, 6, 7), strict=True):
-        torch.testing.assert_close(out[0], hf_logits(hf, ids + [tok])[-1], atol=2e-4, rtol=0)
+    seqs = [a, b, c]
+    for rows in ([0, 1, 2], [0, 1], [2]):  # decode batches of mixed lengths, 3 / 2 / 1 tokens
+        decode = harness.extend([(r, [5 + r]) for r in rows])
+        for out, r in zip(decode, rows, strict=True):
+            seqs[r] = seqs[r] + [5 + r]
+            torch.testing.assert_close(out[0], hf_logits(hf, seqs[r])[-1], atol=2e-4, rtol=0)
 
 
 @pytest.mark.real_model
@@ -99,7 +107,7 @@ def test_smollm2_logits_match_transformers(default_model_dir: Any, tokenizer: An
     )
     ids = tokenizer.encode(text, add_special_tokens=False)
     ref = hf_logits(hf, ids)
-    harness = PoolHarness(ours, decode_kernel=decode_attention_op())  # the engine's default path on CPU
+    harness = _harness(ours, "native")  # the engine's default path on CPU
     (prefill,) = harness.extend([(0, ids[:-4])])
     torch.testing.assert_close(prefill, ref[:-4], atol=2e-3, rtol=0)
     for i in range(len(ids) - 4, len(ids)):

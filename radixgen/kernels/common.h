@@ -1,0 +1,46 @@
+// Helpers shared by the CPU kernels: float conversions and a vectorisable exp.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace radixgen {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+// The bit shift instead of c10's conversion keeps the loop free of calls, so it vectorises.
+inline float to_float(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// exp(x) in a form the compiler vectorises (std::exp stays a scalar libm call): x = n ln2 + r
+// with |r| <= ln2/2, exp(r) by its degree-7 Taylor polynomial (relative error < 1e-8 before
+// float rounding), 2^n built in the exponent bits. x is clamped to [-87, 88]: both ends are
+// normal floats, so exp(-inf) comes out ~1.6e-38 rather than 0.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;  // ln2 = hi + lo
+  float p = 1.0f / 5040;
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+}  // namespace radixgen

@@ -1,0 +1,190 @@
+// Fused element-wise steps of a Llama layer: RMSNorm (with the residual add folded in),
+// rotary embedding with the K/V write into the pool, and SiLU(gate) * up.
+//
+// At small batches a layer's few matmuls are surrounded by ~20 small tensor ops, each a
+// Python-to-ATen dispatch costing more than its arithmetic; one call per step here replaces
+// three to eight of them. Rounding follows the PyTorch path in radixgen/models/layers.py (and
+// so transformers'): in reduced precision each intermediate the eager code materialises is
+// rounded to the model's dtype at the same place.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "common.h"
+
+namespace {
+
+using radixgen::exp_approx;
+using radixgen::to_float;
+
+// Rows handed to one thread at a time: small steps (a decode token) run inline.
+int64_t row_grain(int64_t row_elements) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elements, 1)); }
+
+// out = weight * normalise(x) per row; with `residual`, first residual += x and normalise that.
+template <typename scalar_t>
+void rms_norm_rows(scalar_t* x, scalar_t* residual, const scalar_t* weight, scalar_t* out,
+                   int64_t rows, int64_t dim, int64_t x_stride, int64_t residual_stride, float eps) {
+  at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      scalar_t* src = x + r * x_stride;
+      if (residual != nullptr) {
+        scalar_t* res = residual + r * residual_stride;
+        for (int64_t i = 0; i < dim; ++i) res[i] = static_cast<scalar_t>(to_float(res[i]) + to_float(src[i]));
+        src = res;
+      }
+      float sum_sq = 0.f;
+#pragma omp simd reduction(+ : sum_sq)
+      for (int64_t i = 0; i < dim; ++i) sum_sq += to_float(src[i]) * to_float(src[i]);
+      const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(dim) + eps);
+      scalar_t* dst = out + r * dim;
+      for (int64_t i = 0; i < dim; ++i) {
+        // float32: x * inv_rms * w; reduced precision: round the normalised value, then multiply
+        const scalar_t normed = static_cast<scalar_t>(to_float(src[i]) * inv_rms);
+        dst[i] = static_cast<scalar_t>(to_float(weight[i]) * to_float(normed));
+      }
+    }
+  });
+}
+
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.device().is_cpu(), "CPU kernel");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, hidden] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be [hidden] in x's dtype");
+}
+
+// Rotate x [dim] (half-split layout) into out: x * cos + rotate_half(x) * sin.
+template <typename scalar_t>
+inline void rotate_head(const scalar_t* x, const scalar_t* cos, const scalar_t* sin, scalar_t* out, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t j = 0; j < dim; ++j) {
+    const float rotated = j < half ? -to_float(x[j + half]) : to_float(x[j - half]);
+    const scalar_t scaled = static_cast<scalar_t>(to_float(x[j]) * to_float(cos[j]));
+    out[j] = static_cast<scalar_t>(to_float(scaled) + rotated * to_float(sin[j]));
+  }
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(const_cast<scalar_t*>(x.data_ptr<scalar_t>()), nullptr, weight.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0), 0, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual += x; returns rms_norm(residual) * weight. Both in one pass over the row.
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1 && residual.scalar_type() == x.scalar_type(),
+              "residual must match x");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_rows<scalar_t>(const_cast<scalar_t*>(x.data_ptr<scalar_t>()), residual.data_ptr<scalar_t>(),
+                            weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                            x.stride(0), residual.stride(0), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// qkv [T, (H + 2 KVH) * D] -> rotated q [T, H, D]; rotated k and v are written to the pool rows
+// out_cache_loc of k_cache / v_cache [slots, KVH, D].
+at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                         const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                         const at::Tensor& out_cache_loc, int64_t num_heads) {
+  TORCH_CHECK(qkv.device().is_cpu(), "CPU kernel");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "caches must be contiguous [slots, kv_heads, head_dim]");
+  const int64_t num_tokens = qkv.size(0), num_kv_heads = k_cache.size(1), dim = k_cache.size(2);
+  const int64_t width = (num_heads + 2 * num_kv_heads) * dim;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width && qkv.stride(1) == 1, "qkv must be [T, ", width, "]");
+  TORCH_CHECK(dim % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2 &&
+                  cos.size(1) == dim,
+              "cos/sin must be contiguous [positions, head_dim]");
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && qkv.scalar_type() == cos.scalar_type() &&
+                  qkv.scalar_type() == v_cache.scalar_type() && qkv.scalar_type() == sin.scalar_type(),
+              "qkv, cos/sin and the caches must share a dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && out_cache_loc.scalar_type() == at::kLong &&
+                  positions.numel() == num_tokens && out_cache_loc.numel() == num_tokens,
+              "positions and out_cache_loc: one int64 per token");
+  const at::Tensor pos = positions.contiguous(), loc = out_cache_loc.contiguous();
+  const int64_t* pos_ptr = pos.data_ptr<int64_t>();
+  const int64_t* loc_ptr = loc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(pos_ptr[t] >= 0 && pos_ptr[t] < cos.size(0), "token ", t, ": position ", pos_ptr[t],
+                " outside the rotary table of ", cos.size(0));
+    TORCH_CHECK(loc_ptr[t] >= 0 && loc_ptr[t] < k_cache.size(0), "token ", t, ": slot ", loc_ptr[t],
+                " outside the pool of ", k_cache.size(0));
+  }
+  auto q = at::empty({num_tokens, num_heads, dim}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_store_kv", [&] {
+    const scalar_t* src = qkv.data_ptr<scalar_t>();
+    const scalar_t* cos_ptr = cos.data_ptr<scalar_t>();
+    const scalar_t* sin_ptr = sin.data_ptr<scalar_t>();
+    scalar_t* q_ptr = q.data_ptr<scalar_t>();
+    scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+    scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+    const int64_t kv_row = num_kv_heads * dim, stride = qkv.stride(0);
+    at::parallel_for(0, num_tokens, row_grain(width), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* row = src + t * stride;
+        const scalar_t* c = cos_ptr + pos_ptr[t] * dim;
+        const scalar_t* s = sin_ptr + pos_ptr[t] * dim;
+        for (int64_t h = 0; h < num_heads; ++h) rotate_head(row + h * dim, c, s, q_ptr + (t * num_heads + h) * dim, dim);
+        const scalar_t* k_src = row + num_heads * dim;
+        scalar_t* k_dst = k_ptr + loc_ptr[t] * kv_row;
+        for (int64_t h = 0; h < num_kv_heads; ++h) rotate_head(k_src + h * dim, c, s, k_dst + h * dim, dim);
+        std::copy(k_src + kv_row, k_src + 2 * kv_row, v_ptr + loc_ptr[t] * kv_row);
+      }
+    });
+  });
+  return q;
+}
+
+// gate_up [T, 2I] -> silu(gate) * up [T, I]
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu(), "CPU kernel");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1,
+              "gate_up must be [T, 2 * intermediate] with contiguous rows");
+  const int64_t num_tokens = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = at::empty({num_tokens, inter}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    const scalar_t* src = gate_up.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    const int64_t stride = gate_up.stride(0);
+    at::parallel_for(0, num_tokens, row_grain(inter), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* gate = src + t * stride;
+        const scalar_t* up = gate + inter;
+        scalar_t* o = dst + t * inter;
+        for (int64_t i = 0; i < inter; ++i) {
+          const float g = to_float(gate[i]);
+          const scalar_t silu = static_cast<scalar_t>(g / (1.f + exp_approx(-g)));
+          o[i] = static_cast<scalar_t>(to_float(silu) * to_float(up[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(radixgen, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("rope_store_kv(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor out_cache_loc, int num_heads) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
+  m.impl("rope_store_kv", c10::DispatchKey::CPU, TORCH_FN(rope_store_kv));
+  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+}
