@@ -5,6 +5,11 @@ batch 1/8/32/64 with equal (256-token) and mixed (64-512) prompt lengths, per dt
 runs in its own subprocess (one per engine and dtype), one after the other: two torch runtimes
 in one process slow each other's OpenMP thread teams down, which would bias the comparison.
 
+radixgen runs with its radix cache off: the prompts are windows of one repeated paragraph, so
+they share prefixes by construction, and a cache hit would skip prefill that transformers pays
+for (prefix reuse is measured in bench_prefix.py). Cases of batch <= 8 last a few seconds, so
+each is run ``--repeats`` times (3) on both engines and the median is reported.
+
     python benchmarks/bench_offline.py [--dtypes float32,bfloat16] [--batch-sizes 1,8,32,64]
 """
 
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -32,6 +38,10 @@ def lengths_for(mode: str, batch: int, seed: int) -> list[int]:
         return [256] * batch
     rng = random.Random(seed + batch)
     return [rng.randint(64, 512) for _ in range(batch)]
+
+
+def repeats_for(batch: int, args: argparse.Namespace) -> int:
+    return args.repeats if batch <= 8 else 1
 
 
 def run_radixgen(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
@@ -67,13 +77,14 @@ def worker(args: argparse.Namespace) -> None:
 
     cases = [(mode, batch) for mode in args.modes.split(",") for batch in map(int, args.batch_sizes.split(","))]
     if args.worker == "radixgen":
-        engine = Engine(EngineConfig(dtype=args.dtypes, kv_cache_gb=4.0))  # type: ignore[arg-type]
+        engine = Engine(EngineConfig(dtype=args.dtypes, kv_cache_gb=4.0, disable_radix_cache=True))  # type: ignore[arg-type]
         tokenizer = engine.tokenizer
         warm = prompts_of_lengths(tokenizer, [64, 80], seed=99)
         run_radixgen(engine, warm, 8)
         for mode, batch in cases:
             prompts = prompts_of_lengths(tokenizer, lengths_for(mode, batch, args.seed), seed=args.seed + batch)
-            print(json.dumps({"mode": mode, "batch": batch, "tok_s": run_radixgen(engine, prompts, args.new_tokens)}), flush=True)
+            runs = [run_radixgen(engine, prompts, args.new_tokens) for _ in range(repeats_for(batch, args))]
+            print(json.dumps({"mode": mode, "batch": batch, "tok_s": statistics.median(runs)}), flush=True)
         engine.shutdown()
         return
     from transformers import AutoTokenizer
@@ -85,13 +96,14 @@ def worker(args: argparse.Namespace) -> None:
     run_transformers(hf, pad_id, prompts_of_lengths(tokenizer, [64, 80], seed=99), 8)
     for mode, batch in cases:
         prompts = prompts_of_lengths(tokenizer, lengths_for(mode, batch, args.seed), seed=args.seed + batch)
-        print(json.dumps({"mode": mode, "batch": batch, "tok_s": run_transformers(hf, pad_id, prompts, args.new_tokens)}),
-              flush=True)
+        runs = [run_transformers(hf, pad_id, prompts, args.new_tokens) for _ in range(repeats_for(batch, args))]
+        print(json.dumps({"mode": mode, "batch": batch, "tok_s": statistics.median(runs)}), flush=True)
 
 
 def run_worker(kind: str, dtype: str, args: argparse.Namespace) -> dict[tuple[str, int], float]:
     cmd = [sys.executable, __file__, "--worker", kind, "--dtypes", dtype, "--batch-sizes", args.batch_sizes,
-           "--modes", args.modes, "--new-tokens", str(args.new_tokens), "--seed", str(args.seed)]
+           "--modes", args.modes, "--new-tokens", str(args.new_tokens), "--seed", str(args.seed),
+           "--repeats", str(args.repeats)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     results = {}
     for line in proc.stdout.splitlines():
@@ -109,6 +121,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per case of batch <= 8 (median reported)")
     parser.add_argument("--worker", choices=["radixgen", "transformers"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -126,7 +139,8 @@ def main() -> None:
         sys.stdout.flush()
     print()
     print_table(rows, ["dtype", "prompts", "batch", "radixgen_tok_s", "transformers_tok_s", "ratio"])
-    path = write_json("bench_offline", {"new_tokens": args.new_tokens, "rows": rows})
+    path = write_json("bench_offline", {"new_tokens": args.new_tokens, "repeats": args.repeats, "radix_cache": False,
+                                        "rows": rows})
     print(f"wrote {path}")
 
 

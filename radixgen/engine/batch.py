@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from radixgen.engine.request import Request
-from radixgen.models.attention import AttentionPlan
+from radixgen.models.attention import AttentionPlan, PrefillSpan
 
 
 class StepKind(enum.Enum):
@@ -86,21 +86,26 @@ class StepPlan:
 
 def build_attention_plan(
     plan: StepPlan, req_to_token: torch.Tensor, device: torch.device, dtype: torch.dtype,
-    decode_kernel: Callable[..., torch.Tensor] | None = None,
+    decode_kernel: Callable[..., torch.Tensor] | None = None, per_request_prefill: bool | None = None,
 ) -> AttentionPlan:
     """Device tensors for attention, built once per step and shared by every layer.
-    ``decode_kernel``: the pool-reading decode kernel, used for decode steps when given."""
+    ``decode_kernel``: the pool-reading decode kernel, used for decode steps when given.
+    ``per_request_prefill``: attend prefill requests one by one (default: on CPU) rather than
+    padded to the longest under one mask (elsewhere one masked call beats a launch per request)."""
+    if per_request_prefill is None:
+        per_request_prefill = device.type == "cpu"
     if plan.num_decode and plan.num_prefill:
         head, tail = plan.split_mixed()
-        attn = build_attention_plan(head, req_to_token, device, dtype, decode_kernel)
+        attn = build_attention_plan(head, req_to_token, device, dtype, decode_kernel, per_request_prefill)
         attn.decode_tail = build_attention_plan(tail, req_to_token, device, dtype, decode_kernel)
         attn.num_prefill_tokens = head.num_tokens
         attn.out_cache_loc = torch.from_numpy(plan.out_cache_loc).to(device)
         return attn
     out_cache_loc = torch.from_numpy(plan.out_cache_loc).to(device)
     batch = plan.batch_size
-    if batch == 1 and plan.prefix_lens[0] == 0 and plan.kind is StepKind.PREFILL:
-        return AttentionPlan(out_cache_loc, None, None, None, None, is_decode=False, is_single_causal=True)
+    if plan.kind is StepKind.PREFILL and (per_request_prefill or (batch == 1 and plan.prefix_lens[0] == 0)):
+        spans = _prefill_spans(plan, req_to_token, device, dtype)
+        return AttentionPlan(out_cache_loc, None, None, None, None, is_decode=False, spans=spans)
 
     if plan.kind is StepKind.DECODE and decode_kernel is not None:
         return AttentionPlan(
@@ -136,6 +141,25 @@ def build_attention_plan(
         out_cache_loc, kv_indices, _additive(visible.unsqueeze(1), dtype), query_index, query_unpad,
         is_decode=False,
     )
+
+
+def _prefill_spans(
+    plan: StepPlan, req_to_token: torch.Tensor, device: torch.device, dtype: torch.dtype,
+) -> list[PrefillSpan]:
+    spans = []
+    start = 0
+    for row, prefix, extend in zip(plan.rows.tolist(), plan.prefix_lens.tolist(), plan.extend_lens.tolist(), strict=True):
+        span = PrefillSpan(start, extend)
+        if prefix:
+            seq_len = prefix + extend
+            span.kv_slots = req_to_token[row, :seq_len]
+            # new token i sees keys 0 .. prefix + i
+            key_pos = torch.arange(seq_len, device=device)
+            visible = key_pos[None, :] <= prefix + torch.arange(extend, device=device)[:, None]
+            span.mask = _additive(visible.view(1, 1, extend, seq_len), dtype)
+        spans.append(span)
+        start += extend
+    return spans
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -17,9 +17,12 @@ class PoolHarness:
     def __init__(
         self, model: LlamaForCausalLM, num_slots: int = 4096, max_rows: int = 8, max_context_len: int = 1024,
         decode_kernel: Callable[..., torch.Tensor] | None = None, kernels: CpuKernels | None = None,
+        padded_prefill: bool = False,
     ) -> None:
         """``kernels``: the native ops the forward uses (None: PyTorch ops only); decode attention
-        uses ``decode_kernel`` either way, as in the engine's attention_backend."""
+        uses ``decode_kernel`` either way, as in the engine's attention_backend.
+        ``padded_prefill``: the one-masked-call prefill attention other devices use."""
+        self.padded_prefill = padded_prefill
         cfg = model.config
         self.model = model
         self.decode_kernel = decode_kernel
@@ -50,7 +53,8 @@ class PoolHarness:
         for r, n in zip(rows, extend, strict=True):
             self.lengths[r] += int(n)
         attn = build_attention_plan(
-            plan, self.pool.req_to_token, torch.device("cpu"), self.pool.k.dtype, self.decode_kernel
+            plan, self.pool.req_to_token, torch.device("cpu"), self.pool.k.dtype, self.decode_kernel,
+            per_request_prefill=not self.padded_prefill,
         )
         all_rows = torch.arange(plan.num_tokens)
         logits = self.model(

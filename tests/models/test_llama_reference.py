@@ -42,14 +42,15 @@ def _prompt(seed: int, n: int) -> list[int]:
     return torch.randint(3, 49152, (n,), generator=g).tolist()
 
 
-PATHS = ["torch", "native", "native-sdpa"]
-"""torch: PyTorch ops alone (gather + SDPA decode); native: every CPU kernel, the engine's
-default; native-sdpa: the fused layer ops with gather + SDPA decode (attention_backend=sdpa)."""
+PATHS = ["torch", "torch-padded", "native", "native-sdpa"]
+"""torch: PyTorch ops alone (gather + SDPA decode, per-request prefill); torch-padded: the same
+with prefill padded under one mask (the path on other devices); native: every CPU kernel, the
+engine's default; native-sdpa: the fused layer ops with gather + SDPA decode (attention_backend=sdpa)."""
 
 
 def _harness(model: Any, path: str) -> PoolHarness:
-    if path == "torch":
-        return PoolHarness(model)
+    if path.startswith("torch"):
+        return PoolHarness(model, padded_prefill=path == "torch-padded")
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("the CPU kernels do not build here")
