@@ -25,11 +25,11 @@ int64_t row_grain(int64_t row_elements) { return std::max<int64_t>(1, 32768 / st
 
 // out = weight * normalise(x) per row; with `residual`, first residual += x and normalise that.
 template <typename scalar_t>
-void rms_norm_rows(scalar_t* x, scalar_t* residual, const scalar_t* weight, scalar_t* out,
+void rms_norm_rows(const scalar_t* x, scalar_t* residual, const scalar_t* weight, scalar_t* out,
                    int64_t rows, int64_t dim, int64_t x_stride, int64_t residual_stride, float eps) {
   at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      scalar_t* src = x + r * x_stride;
+      const scalar_t* src = x + r * x_stride;
       if (residual != nullptr) {
         scalar_t* res = residual + r * residual_stride;
         for (int64_t i = 0; i < dim; ++i) res[i] = static_cast<scalar_t>(to_float(res[i]) + to_float(src[i]));
@@ -74,7 +74,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm_args(x, weight);
   auto out = at::empty({x.size(0), x.size(1)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_norm_rows<scalar_t>(const_cast<scalar_t*>(x.data_ptr<scalar_t>()), nullptr, weight.data_ptr<scalar_t>(),
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, weight.data_ptr<scalar_t>(),
                             out.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0), 0, static_cast<float>(eps));
   });
   return out;
@@ -87,7 +87,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
               "residual must match x");
   auto out = at::empty({x.size(0), x.size(1)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
-    rms_norm_rows<scalar_t>(const_cast<scalar_t*>(x.data_ptr<scalar_t>()), residual.data_ptr<scalar_t>(),
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
                             weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), x.size(1),
                             x.stride(0), residual.stride(0), static_cast<float>(eps));
   });
