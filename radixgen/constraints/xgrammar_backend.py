@@ -67,8 +67,8 @@ def _words_without_control_bytes(decoded_vocab: list[bytes], vocab_size: int) ->
     for token_id, raw in enumerate(decoded_vocab[:vocab_size]):
         if any(byte < 0x20 for byte in raw):
             allowed[token_id] = False
-    bits = np.packbits(allowed.reshape(-1, 32)[:, ::-1], axis=1).view(">u4").astype(np.uint32)
-    return bits.reshape(-1).view(np.int32)
+    # bit i of little-endian word j is token 32 j + i: little bit order, bytes read as "<i4"
+    return np.packbits(allowed, bitorder="little").view("<i4").astype(np.int32)
 
 
 class XGrammarBackend(GrammarBackend):

@@ -48,9 +48,8 @@ def _build_dir() -> Path:
     from radixgen.models.loader import cache_dir
 
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.[ch]*")):
-        if path.suffix in (".cpp", ".h"):
-            digest.update(path.read_bytes())
+    for path in [*_SOURCES, _SOURCES[0].with_name("common.h")]:
+        digest.update(path.read_bytes())
     tag = f"torch{torch.__version__.replace('+', '_')}-{platform.machine()}-{digest.hexdigest()[:12]}"
     path = cache_dir() / "kernels" / tag
     path.mkdir(parents=True, exist_ok=True)
@@ -101,8 +100,8 @@ def _load() -> Any:
     if os.environ.get("RADIXGEN_DISABLE_KERNELS") == "1":
         logger.info("native kernels disabled by RADIXGEN_DISABLE_KERNELS=1")
         return None
-    if _registered() is not None:
-        return _registered()  # loaded earlier in this process
+    if (namespace := _registered()) is not None:
+        return namespace  # loaded earlier in this process
     try:
         from torch.utils.cpp_extension import load
 
