@@ -28,10 +28,13 @@ _PACK_BATCH_HINT = 64
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
+    # oneDNN's bf16 reorder needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: on an AVX2-only CPU it
+    # raises, and bf16 weights stay plain (F.linear)
     return (
         weight.device.type == "cpu"
         and torch.backends.mkldnn.is_available()
-        and weight.dtype in (torch.float32, torch.bfloat16)
+        and (weight.dtype == torch.float32
+             or (weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
 

@@ -80,6 +80,9 @@ def test_linear_switches_kernels_by_token_count(kernels, dtype) -> None:
         _close(layer(x, spied), F.linear(x.float(), plain_w.float(), plain_b.float()).to(dtype), atol=2e-4)
     assert calls == [1, 2]
     layer.pack(keep_plain=False)
+    if layer._packed is None:  # no oneDNN layout for this dtype on this CPU (bf16 without AVX-512)
+        assert layer.weight.numel() == 64 * 48, "the plain weight is the only copy: it must stay"
+        return
     assert layer.weight.numel() == 0
     x = torch.randn(1, 64).to(dtype)
     _close(layer(x, spied), F.linear(x.float(), plain_w.float(), plain_b.float()).to(dtype), atol=2e-4)
