@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 from radixgen.constraints.backend import Grammar, GrammarBackend
+from radixgen.constraints.drafts import as_2020_12
 from radixgen.constraints.spec import ConstraintSpec
 from radixgen.constraints.xgrammar_subset import within_xgrammar_subset
 from radixgen.errors import InvalidConstraintError
@@ -32,7 +33,7 @@ class AutoBackend(GrammarBackend):
     def choose(self, spec: ConstraintSpec) -> list[GrammarBackend]:
         """The backends to try for ``spec``, best first."""
         order = ["xgrammar", "llguidance"]
-        if spec.kind == "json_schema" and not within_xgrammar_subset(spec.schema()):
+        if spec.kind == "json_schema" and not within_xgrammar_subset(as_2020_12(spec.schema())):
             order.reverse()
         return [self.backends[name] for name in order if name in self.backends]
 

@@ -18,9 +18,12 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+from radixgen.constraints.drafts import as_2020_12, validator_class
 
 Path = tuple[str | int, ...]
+RepeatedItems = Literal["unique", "all", "off"]
 Validator = Callable[[Any], Any]
 
 
@@ -38,6 +41,9 @@ class Rejection:
     start: int
     reason: str
     is_string: bool = False
+    fatal: bool = False
+    """The caller's validator raised something other than a rejection (a bug in user code): the
+    request ends with ``constraint_violation`` instead of resampling."""
 
 
 def format_path(path: Path) -> str:
@@ -165,9 +171,12 @@ class SchemaValidators:
     def __init__(self, schema: dict[str, Any]) -> None:
         from jsonschema import Draft202012Validator
 
-        self.root = schema
+        # the whole value is checked under the draft the schema names; values on a path against
+        # the 2020-12 reading of their subschema (drafts.as_2020_12), which means the same
+        root_cls = validator_class(schema)
+        self.root = as_2020_12(schema)
         self._validator_cls = Draft202012Validator
-        self._root_validator = Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
+        self._root_validator = root_cls(schema, format_checker=root_cls.FORMAT_CHECKER)
         self._cache: dict[int, Any] = {}  # id of a subschema inside self.root -> its validator
 
     def check(self, path: Path, value: Any) -> str | None:
@@ -264,30 +273,66 @@ def _path_matches(pattern: str, path: Path) -> bool:
     return re.match(regex, format_path(path)) is not None
 
 
+class UserValidatorError(Exception):
+    """A caller's validator failed with an exception that is not a rejection."""
+
+
 class Validation:
     """One request's validators over its JSON output."""
 
     def __init__(
         self, *, schema: SchemaValidators | None = None, model: Any = None,
-        user: dict[str, Validator] | None = None,
+        user: dict[str, Validator] | None = None, repeated_items: RepeatedItems = "unique",
     ) -> None:
         self.schema, self.model, self.user = schema, model, dict(user or {})
+        self.repeated_items = repeated_items
         self.scanner = JsonScanner()
+        self._items: dict[Path, list[str]] = {}  # array path -> its completed items (canonical JSON)
 
     def reset(self, text: str) -> None:
         """Re-scan from scratch (after a rollback) without running validators."""
         self.scanner = JsonScanner()
-        self.scanner.feed(text)
+        self._items = {}
+        for value in self.scanner.feed(text):
+            self._remember(value)
 
     def feed(self, text: str, *, final: bool = False) -> Rejection | None:
         done = self.scanner.feed(text)
         if final:
             done += self.scanner.finish()
         for value in done:
-            reason = self._check(value)
+            repeated = self._repeats(value)
+            if repeated is not None:
+                return Rejection(value.path, value.start, repeated, isinstance(value.value, str))
+            self._remember(value)
+            try:
+                reason = self._check(value)
+            except UserValidatorError as e:
+                return Rejection(value.path, value.start, str(e), isinstance(value.value, str), fatal=True)
             if reason is not None:
                 return Rejection(value.path, value.start, reason, isinstance(value.value, str))
         return None
+
+    def _remember(self, value: CompletedValue) -> None:
+        if value.path and isinstance(value.path[-1], int):
+            self._items.setdefault(value.path[:-1], []).append(json.dumps(value.value, sort_keys=True))
+
+    def _repeats(self, value: CompletedValue) -> str | None:
+        """Why an array item is refused as a repeat of an earlier item of its array, or None.
+        "unique" refuses repeats only in arrays whose schema sets uniqueItems (where a repeat
+        is invalid anyway, so this only catches it an item earlier than the array's own check);
+        "all" refuses them in every array (the loop small models fall into), which changes what
+        a schema that allows duplicates can produce; "off" never."""
+        if self.repeated_items == "off" or not value.path or not isinstance(value.path[-1], int):
+            return None
+        earlier = self._items.get(value.path[:-1])
+        if not earlier or json.dumps(value.value, sort_keys=True) not in earlier:
+            return None
+        if self.repeated_items == "unique":
+            array = resolve_subschema(self.schema.root, value.path[:-1]) if self.schema is not None else None
+            if not (isinstance(array, dict) and array.get("uniqueItems") is True):
+                return None
+        return f"{format_path(value.path)}: repeats an earlier item of its array"
 
     def _check(self, value: CompletedValue) -> str | None:
         if self.schema is not None:
@@ -309,6 +354,11 @@ class Validation:
                     ok = fn(value.value)
                 except (ValueError, TypeError, AssertionError) as e:
                     return f"{format_path(value.path)}: {e}"
+                except Exception as e:  # noqa: BLE001 - any other failure of user code ends this request only
+                    raise UserValidatorError(
+                        f"the validator for {pattern} raised {type(e).__name__}: {e} (on {format_path(value.path)} = "
+                        f"{value.value!r}); a validator rejects a value by returning False or raising ValueError"
+                    ) from e
                 if ok is False:
                     return f"{format_path(value.path)}: rejected by the validator for {pattern}"
         return None

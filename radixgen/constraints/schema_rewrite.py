@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from radixgen.constraints.drafts import as_2020_12
+
 
 @dataclass(frozen=True)
 class GrammarOptions:
@@ -24,7 +26,8 @@ DEFAULT_OPTIONS = GrammarOptions()
 
 
 def grammar_schema(schema: Any, options: GrammarOptions = DEFAULT_OPTIONS) -> Any:
-    """What the backends compile for ``schema``."""
+    """What the backends compile for ``schema`` (read by its draft: ``drafts.as_2020_12``)."""
+    schema = as_2020_12(schema)
     schema = limit_recursion(integral_counts(bound_numbers(schema)), options.max_recursion_depth)
     return schema if options.open_objects else close_objects(schema)
 

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from radixgen.constraints.backend import Grammar, GrammarBackend, Matcher
+from radixgen.constraints.drafts import as_2020_12
 from radixgen.constraints.schema_rewrite import DEFAULT_OPTIONS, GrammarOptions, grammar_schema
 from radixgen.constraints.spec import ConstraintSpec
 from radixgen.constraints.xgrammar_subset import xgrammar_enforces_exactly
@@ -101,5 +102,6 @@ class XGrammarBackend(GrammarBackend):
         except (RuntimeError, ValueError) as e:
             raise InvalidConstraintError(f"cannot compile the {spec.kind.replace('_', ' ')}: {e}") from None
         grammar = XGrammarGrammar(compiled, self._json_words if spec.kind in ("json_schema", "json_object") else None)
-        grammar.enforces_schema_exactly = spec.kind == "json_schema" and xgrammar_enforces_exactly(spec.schema())
+        grammar.enforces_schema_exactly = spec.kind == "json_schema" and xgrammar_enforces_exactly(
+            as_2020_12(spec.schema()))
         return grammar
