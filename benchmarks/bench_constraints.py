@@ -7,9 +7,13 @@
 4. End-to-end on the real model: seconds per JSON object and tokens/s, constrained vs
    unconstrained generation of the same number of tokens, batch 1 and 32.
 5. JSON-Schema-Test-Suite score (automaton + steering validators) of each backend, with objects
-   closed (the default) and open.
+   closed (the default) and open; drafts 7 and 4 with the default backend.
+6. Budget steering on the real model: on the API schemas and on larger real-world configs
+   (benchmarks/data/realworld_schemas.json), at max_tokens 64 / 128 / 256, temperature 0.7:
+   the share of outputs complete and valid, steered to close, refused up front (the schema's
+   shortest output does not fit), and generated tokens/s, with steering on and off side by side.
 
-    python benchmarks/bench_constraints.py [--skip-e2e]
+    python benchmarks/bench_constraints.py [--skip-e2e] [--skip-budget] [--only-budget]
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from radixgen.constraints.spec import schema_spec  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / "tests" / "data" / "json-schema-test-suite"
 API = json.loads((ROOT / "tests" / "data" / "api_schemas.json").read_text())
+REALWORLD = json.loads((ROOT / "benchmarks" / "data" / "realworld_schemas.json").read_text())
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -205,9 +210,56 @@ def end_to_end(batch_sizes: list[int], dtype: str) -> list[dict[str, Any]]:
     return rows
 
 
+def budget_runs(dtype: str, budgets: list[int], seeds: int) -> list[dict[str, Any]]:
+    """Complete-and-valid share and throughput with budget steering on and off, same requests."""
+    import jsonschema
+
+    from radixgen import Engine, EngineConfig, SamplingParams
+
+    rows = []
+    for steering in (False, True):
+        engine = Engine(EngineConfig(dtype=dtype, budget_steering=steering))  # type: ignore[arg-type]
+        for label, specs in (("api", API), ("real-world", REALWORLD)):
+            prompts = [engine.apply_chat_template([{"role": "user", "content": f"Write a complete {s['name'].replace('_', ' ')} "
+                                                                                  "as JSON, with realistic values."}])
+                       for s in specs]
+            engine.generate(prompts, SamplingParams(max_new_tokens=1))  # prompts cached for both runs alike
+            for budget in budgets:
+                jobs = [(p, SamplingParams(max_new_tokens=budget, temperature=0.7, seed=seed, json_schema=s["schema"]))
+                        for seed in range(seeds) for p, s in zip(prompts, specs, strict=True)]
+                start = time.perf_counter()
+                outs = engine.generate([p for p, _ in jobs], [params for _, params in jobs])
+                elapsed = time.perf_counter() - start
+                valid = refused = steered = cut = invalid = 0
+                for out, (_, params) in zip(outs, jobs, strict=True):
+                    if out.finish_reason.value == "error" and out.user_error:
+                        refused += 1
+                        continue
+                    cut += out.finish_reason.value == "length"
+                    steered += out.shortened
+                    try:
+                        jsonschema.validate(json.loads(out.text), params.json_schema)
+                        valid += out.finish_reason.value == "stop"
+                    except Exception:  # noqa: BLE001 - cut off (unparseable) or invalid
+                        invalid += out.finish_reason.value == "stop"
+                served = len(outs) - refused
+                rows.append({"steering": "on" if steering else "off", "schemas": label, "max_tokens": budget,
+                             "requests": len(outs), "refused": refused,
+                             "complete_valid_pct": 100 * valid / served if served else float("nan"),
+                             "steered_pct": 100 * steered / served if served else float("nan"),
+                             "cut_at_length": cut, "invalid_stop": invalid,
+                             "tokens": sum(o.completion_tokens for o in outs),
+                             "tok_per_s": sum(o.completion_tokens for o in outs) / elapsed})
+        engine.shutdown()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument("--skip-budget", action="store_true")
+    parser.add_argument("--only-budget", action="store_true", help="the budget-steering table alone")
+    parser.add_argument("--budget-seeds", type=int, default=3, help="samples per schema and budget")
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -215,11 +267,18 @@ def main() -> None:
     from radixgen.models.loader import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+    results: dict[str, Any] = {}
+    if not args.skip_budget:
+        print("== budget steering on the real model (temperature 0.7): complete and valid within max_tokens")
+        results["budget"] = budget_runs(args.dtype, [64, 128, 256], args.budget_seeds)
+        print_table(results["budget"], list(results["budget"][0]))
+        if args.only_budget:
+            print(f"wrote {write_json('bench_constraints', results)}")
+            return
     backends = ["auto", "xgrammar", "llguidance", "outlines"]
     services = {b: GrammarService(make_backend(b, tokenizer, 49152, [tokenizer.eos_token_id]), timeout_s=60)
                 for b in backends}
-    results: dict[str, Any] = {}
-    print("== compile time (ms), cache off")
+    print("\n== compile time (ms), cache off")
     results["compile"] = []
     # outlines builds an eager index per schema: on the test suite's 383 schemas that takes many
     # minutes (its JSON-Schema-Test-Suite score, 692 right / 0 invalid accepted, comes from
@@ -259,6 +318,14 @@ def main() -> None:
     print("\nper file, default settings, where anything is wrong:")
     rows = [{"file": f, **dict(c)} for f, c in default_score.per_file.items() if c["valid_rejected"] or c["invalid_accepted"]]
     print_table(rows, ["file", "valid_accepted", "valid_rejected", "invalid_rejected", "invalid_accepted"])
+    print("\n== JSON-Schema-Test-Suite drafts 7 and 4 (each read by its own rules), default backend")
+    results["suite_drafts"] = []
+    for draft in ("draft7", "draft4"):
+        score = score_suite(sorted((SUITE / draft).glob("*.json")), services["auto"], tokenizer, tokenizer.eos_token_id,
+                            draft=draft)
+        results["suite_drafts"].append({"draft": draft, "right": score.right, "total": score.total,
+                                        "pct": 100 * score.right / score.total, "invalid_accepted": score.invalid_accepted})
+    print_table(results["suite_drafts"], list(results["suite_drafts"][0]))
     if not args.skip_e2e:
         print("\n== end to end on SmolLM2 (greedy): constrained vs unconstrained, same token counts")
         results["e2e"] = end_to_end([1, 32], args.dtype)

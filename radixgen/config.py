@@ -13,6 +13,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 SchedulePolicy = Literal["fcfs", "lpm"]
 Routing = Literal["prefix-affinity", "round-robin"]
 AttentionBackend = Literal["auto", "sdpa"]
+RepeatedItems = Literal["unique", "all", "off"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,19 @@ class EngineConfig:
     """Jump forward only while at most this many requests decode: a larger batch already shares
     each step, and the extra extend step would cost more than the steps it saves (measured:
     batch 32, 0.60 s per object with it against 0.41 s without)."""
+    json_repeated_items: RepeatedItems = "unique"
+    """What an array item that repeats an earlier item of its array does: unique (default) rolls
+    it back and resamples it in arrays whose schema sets uniqueItems (a repeat is invalid there:
+    caught as the item ends rather than when the array does); all does that in every array,
+    against the loop small models fall into, but then a schema that allows duplicates cannot
+    get them (and JSON outputs no longer stream, validators being attached); off never does."""
+    budget_steering: bool = True
+    """Constrained outputs always finish within max_new_tokens: a request whose tokens left come
+    close to the cheapest valid completion is steered to close (engine/steering.py), and one
+    whose shortest valid output cannot fit is refused before generation."""
+    budget_margin_tokens: int = 8
+    """How close to that point steering starts closing softly: a string ends at the next word
+    boundary, an array or object at its next item, before the rest is forced."""
     event_log: str | None = None
     """Path of a JSON-lines log with one record per scheduler step (off when None)."""
 

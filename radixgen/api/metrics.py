@@ -39,6 +39,7 @@ class ServerMetrics:
                 "forward_seconds_per_step": "Model time per step",
                 "engine_steps": "Engine steps so far",
                 "retractions": "Requests retracted under KV pressure so far",
+                "shortened_requests": "Constrained requests steered to close early to finish within max_tokens",
             }.items()
         }
 
@@ -57,6 +58,7 @@ class ServerMetrics:
                 "scheduler_seconds_per_step": s.get("schedule_time_s", 0) / steps,
                 "forward_seconds_per_step": s.get("forward_time_s", 0) / steps,
                 "engine_steps": s.get("num_steps", 0), "retractions": s.get("num_retractions", 0),
+                "shortened_requests": s.get("num_shortened", 0),
             }
             for name, value in values.items():
                 self._engine[name].set(value)

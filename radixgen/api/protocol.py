@@ -154,6 +154,9 @@ class ChatChoice(BaseModel):
     message: ResponseMessage
     finish_reason: str | None
     logprobs: ChoiceLogprobs | None = None
+    shortened: bool | None = None
+    """radixgen's extension: true when budget steering closed the constrained output early so it
+    finished complete within max_tokens (finish_reason stays "stop"); absent otherwise."""
 
 
 class ChatCompletionResponse(BaseModel):
@@ -176,6 +179,9 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     finish_reason: str | None = None
     logprobs: ChoiceLogprobs | None = None
+    shortened: bool | None = None
+    """radixgen's extension: true when budget steering closed the constrained output early so it
+    finished complete within max_tokens (finish_reason stays "stop"); absent otherwise."""
 
 
 class ChatCompletionChunk(BaseModel):
@@ -192,6 +198,9 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None
     logprobs: dict[str, Any] | None = None
+    shortened: bool | None = None
+    """radixgen's extension: true when budget steering closed the constrained output early so it
+    finished complete within max_tokens (finish_reason stays "stop"); absent otherwise."""
 
 
 class CompletionResponse(BaseModel):

@@ -114,7 +114,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     for i, r in enumerate(results):
         content, calls, reason = tools.finish(r)
         choices.append(ChatChoice(index=i, message=ResponseMessage(content=content, tool_calls=calls), finish_reason=reason,
-                                  logprobs=token_logprobs(state.tokenizer, r, bool(top)) if req.logprobs else None))
+                                  logprobs=token_logprobs(state.tokenizer, r, bool(top)) if req.logprobs else None,
+                                  shortened=r.shortened or None))
     return ChatCompletionResponse(id=base_id, model=model, choices=choices, usage=usage(results))
 
 
@@ -212,9 +213,11 @@ async def _chat_stream(request: Request, req: ChatCompletionRequest, tools: Tool
             for n, d in enumerate(deltas):
                 last = n == len(deltas) - 1
                 yield chunk([ChatChunkChoice(index=i, delta=d, finish_reason=reason if last else None,
-                                             logprobs=logprobs if last else None)])
+                                             logprobs=logprobs if last else None,
+                                             shortened=(results[i].shortened or None) if last and out.finished else None)])
             if out.finished and not deltas:
-                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=reason)])
+                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=reason,
+                                             shortened=results[i].shortened or None)])
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunk([], usage=usage(results))
         yield sse("[DONE]")

@@ -96,7 +96,8 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
         if req.logprobs is not None:
             lp = {"tokens": [state.tokenizer.decode([t]) for t in r.token_ids], "token_logprobs": r.logprobs,
                   "top_logprobs": [{state.tokenizer.decode([t]): v for t, v in tops} for tops in r.top_logprobs] or None}
-        choices.append(CompletionChoice(index=i, text=text, finish_reason=r.finish_reason, logprobs=lp))
+        choices.append(CompletionChoice(index=i, text=text, finish_reason=r.finish_reason, logprobs=lp,
+                                        shortened=r.shortened or None))
     usage = Usage(prompt_tokens=sum(len(ids) for ids in prompts), completion_tokens=sum(len(r.token_ids) for r in results),
                   total_tokens=0, prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in results)))
     usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
@@ -122,7 +123,8 @@ async def _completion_stream(request: Request, req: CompletionRequest, jobs: lis
                 yield sse({"id": base_id, "object": "text_completion", "created": created, "model": model,
                             "choices": [{"index": i, "text": out.new_text,
                                          "finish_reason": results[i].finish_reason if out.finished else None,
-                                         "logprobs": None}]})
+                                         "logprobs": None,
+                                         **({"shortened": True} if out.finished and results[i].shortened else {})}]})
         if req.stream_options is not None and req.stream_options.include_usage:
             prompt = sum(len(ids) for _, ids, _ in jobs[:: max(req.n, 1)])
             completion = sum(len(r.token_ids) for r in results)
@@ -177,7 +179,8 @@ async def generate(req: GenerateRequest, request: Request) -> Any:
     return {"text": result.text, "token_ids": result.token_ids,
             "meta": {"request_id": rid, "finish_reason": result.finish_reason, "prompt_tokens": len(ids),
                      "completion_tokens": len(result.token_ids), "cached_tokens": result.cached_tokens,
-                     "logprobs": result.logprobs or None, "prompt_logprobs": result.prompt_logprobs}}
+                     "logprobs": result.logprobs or None, "prompt_logprobs": result.prompt_logprobs,
+                     "shortened": result.shortened}}
 
 
 @router.post("/tokenize")
@@ -203,6 +206,6 @@ async def model_info(request: Request) -> dict[str, Any]:
 def _meta(out: RequestOutput) -> dict[str, Any]:
     return {"request_id": out.request_id, "finish_reason": out.finish_reason.value if out.finish_reason else None,
             "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "cached_tokens": out.cached_tokens, "prompt_logprobs": out.prompt_logprobs}
+            "cached_tokens": out.cached_tokens, "prompt_logprobs": out.prompt_logprobs, "shortened": out.shortened}
 
 

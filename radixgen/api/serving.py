@@ -42,6 +42,7 @@ class ChoiceResult:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
+    shortened: bool = False
 
 
 # ---- request -> engine types --------------------------------------------------------------
@@ -146,6 +147,7 @@ def apply(result: ChoiceResult, out: RequestOutput, streamed: bool) -> None:
             result.text, result.token_ids = out.text or "", list(out.output_ids or [])
         result.finish_reason = out.finish_reason.value if out.finish_reason else None
         result.prompt_logprobs = out.prompt_logprobs
+        result.shortened = out.shortened
 
 
 async def until_done_or_gone(request: Request, tasks: list[asyncio.Task[Any]]) -> list[Any]:

@@ -37,6 +37,8 @@ ANSWER_SCHEMA = {"type": "object", "properties": {
     "next_step": {"enum": ["refund", "replace", "escalate", "answer"]}}, "required": ["topic", "urgent", "next_step"],
     "additionalProperties": False}
 
+JSON_MIN_TOKENS = 32
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -204,6 +206,9 @@ class LoadGenerator:
             body["ignore_eos"] = True
         if wants_json:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "ticket", "schema": ANSWER_SCHEMA}}
+            # room for a complete answer: radixgen refuses a budget below the schema's shortest
+            # output (~15 tokens), where other engines would return cut-off JSON
+            body["max_tokens"] = max(body["max_tokens"], JSON_MIN_TOKENS)
         sent = time.perf_counter()
         chunks: list[float] = []
         text: list[str] = []

@@ -3,7 +3,10 @@ and validators, the step's bitmask, and checking jump-forward's forced tokens.""
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -17,10 +20,27 @@ from radixgen.constraints import (
     apply_bitmask,
     make_backend,
 )
+from radixgen.constraints.backend import Matcher
+from radixgen.constraints.budget import Completer, Completion, RegexCompletions
 from radixgen.constraints.events import SchemaValidators, Validation
 from radixgen.constraints.mask import ALL_ALLOWED, ban_tokens
+from radixgen.constraints.spec import ConstraintSpec
 from radixgen.engine.batch import StepPlan
 from radixgen.engine.request import Request
+from radixgen.engine.steering import BudgetSteering
+from radixgen.errors import InvalidParamsError
+
+logger = logging.getLogger(__name__)
+
+_SHORTEST_CACHE_SIZE = 1024
+
+
+def _logprobs_of(logits: torch.Tensor, token_id: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log-probability of ``token_id`` from one row of logits, and its top ``top``."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(logprobs, top) if top else None
+    pairs = list(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best is not None else []
+    return float(logprobs[token_id]), pairs
 
 
 class ConstrainedDecoding:
@@ -32,6 +52,11 @@ class ConstrainedDecoding:
         self._lock = threading.Lock()
         self._bitmask = allocate_bitmask(config.max_running_requests, vocab_size)
         self._schema_validators: dict[str, SchemaValidators] = {}
+        self.steering: BudgetSteering | None = None
+        if config.budget_steering and tokenizer is not None:
+            self.steering = BudgetSteering(Completer(tokenizer, vocab_size, stop_token_ids), tokenizer,
+                                           margin_tokens=config.budget_margin_tokens)
+        self._shortest: OrderedDict[tuple[str, str], tuple[Completion | None, RegexCompletions | None]] = OrderedDict()
 
     def grammars(self) -> GrammarService:
         """The compiler service, created on first use (building the tokenizer index costs ~1 s)."""
@@ -43,10 +68,45 @@ class ConstrainedDecoding:
                 self._service = GrammarService(backend, timeout_s=self.config.grammar_compile_timeout_s)
             return self._service
 
-    def attach(self, req: Request, grammar: Grammar) -> None:
-        """Give a request whose grammar is ready its matcher and validators (loop thread)."""
-        req.matcher = grammar.matcher()
+    def attach(self, req: Request, grammar: Grammar, max_context_len: int) -> None:
+        """Give a request whose grammar is ready its matcher, validators and budget (loop
+        thread). Raises ``InvalidParamsError`` when the shortest output the constraint allows
+        does not fit the request's budget: better refused now than cut off at the end."""
+        matcher = grammar.matcher()
+        spec = req.params.constraint
+        assert spec is not None
+        if self.steering is not None:
+            shortest, dfa = self._shortest_output(spec, matcher)
+            budget = min(req.params.max_new_tokens, max_context_len - req.prompt_len)
+            if shortest is not None and shortest.cost > budget:
+                raise InvalidParamsError(
+                    f"the shortest output the {spec.kind.replace('_', ' ')} allows is {shortest.cost} tokens "
+                    f"({shortest.text[:80]!r}), but this request may generate only {budget}: raise max_tokens "
+                    f"(max_new_tokens) to at least {shortest.cost}")
+            if shortest is not None:
+                self.steering.start(req, spec, shortest, dfa)
+        req.matcher = matcher
         req.validation = self._validation(req, grammar)
+
+    def _shortest_output(self, spec: ConstraintSpec, matcher: Matcher
+                         ) -> tuple[Completion | None, RegexCompletions | None]:
+        """The shortest output of ``spec`` and, for a regex or choices, its completion table (cached)."""
+        assert self.steering is not None
+        cached = self._shortest.get(spec.key)
+        if cached is not None:
+            self._shortest.move_to_end(spec.key)
+            return cached
+        dfa = None
+        if spec.kind in ("regex", "choices"):
+            pattern = spec.value if spec.kind == "regex" else "(" + "|".join(re.escape(c) for c in spec.choices()) + ")"
+            try:
+                dfa = RegexCompletions(pattern)
+            except Exception:  # noqa: BLE001 - interegular cannot read it: walk the matcher instead
+                logger.debug("no DFA for %s; budget completions walk the matcher", spec.kind)
+        cached = self._shortest[spec.key] = (self.steering.shortest(spec, matcher, dfa), dfa)
+        if len(self._shortest) > _SHORTEST_CACHE_SIZE:
+            self._shortest.popitem(last=False)
+        return cached
 
     def _validation(self, req: Request, grammar: Grammar) -> Validation | None:
         params, spec = req.params, req.params.constraint
@@ -58,9 +118,11 @@ class ConstrainedDecoding:
             schema = self._schema_validators.get(spec.value)
             if schema is None:
                 schema = self._schema_validators[spec.value] = SchemaValidators(spec.schema())
-        if schema is None and model is None and not params.validators:
+        repeats = self.config.json_repeated_items
+        is_json = spec is not None and spec.kind in ("json_schema", "json_object")
+        if schema is None and model is None and not params.validators and not (repeats == "all" and is_json):
             return None  # nothing can roll text back: the output streams as it grows
-        return Validation(schema=schema, model=model, user=params.validators)
+        return Validation(schema=schema, model=model, user=params.validators, repeated_items=repeats)
 
     def bitmask(self, plan: StepPlan) -> torch.Tensor | None:
         """Allowed-token rows for this step's constrained requests that sample (None if none)."""
@@ -107,7 +169,8 @@ class ConstrainedDecoding:
                 apply_bitmask(scores, torch.from_numpy(mask).to(scores.device))
                 choice = int(scores.argmax())
                 if choice != tok:
-                    req.forced_mismatch = (len(req.output_ids) - m + j, choice)
+                    req.forced_mismatch = (len(req.output_ids) - m + j, choice,
+                                           _logprobs_of(extra[row + j], choice, req.params.top_logprobs))
                     break
                 matcher.accept(tok)
             row += m

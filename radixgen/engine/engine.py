@@ -62,6 +62,9 @@ class GenerationOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float] | None = None
     """With ``prompt_logprob_start``: log-probabilities of the prompt's tokens from there on."""
+    shortened: bool = False
+    """Budget steering closed the constrained output early so that it finished complete within
+    max_new_tokens (finish_reason is still "stop")."""
 
 
 @dataclass
@@ -84,7 +87,7 @@ class _Collector:
             completion_tokens=self.final.completion_tokens, cached_tokens=self.final.cached_tokens,
             error=self.final.error, user_error=self.final.user_error, logprobs=list(req.output_logprobs) if params.logprobs else None,
             top_logprobs=list(req.output_top_logprobs) if params.top_logprobs else None,
-            prompt_logprobs=self.final.prompt_logprobs,
+            prompt_logprobs=self.final.prompt_logprobs, shortened=self.final.shortened,
         )
 
 
@@ -126,7 +129,10 @@ class Engine:
         self.model_config = loaded.config
         self.model_path = loaded.path
         pool = self.runner.pool
-        self.scheduler = Scheduler(self.config, pool, self.tokenizer, self.model_config.eos_token_ids)
+        self.constraints = ConstrainedDecoding(self.config, self.tokenizer, self.model_config.vocab_size,
+                                               list(self.model_config.eos_token_ids), self.runner.device)
+        self.scheduler = Scheduler(self.config, pool, self.tokenizer, self.model_config.eos_token_ids,
+                                   steering=self.constraints.steering)
         self.sampler = Sampler(self.model_config.vocab_size, self.config.max_running_requests, self.runner.device)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._rng = random.Random(self.config.seed)
@@ -135,8 +141,6 @@ class Engine:
         self._dead_reason: str | None = None
         self._active_ids: set[str] = set()
         self._sampling_batches = SamplingBatchCache(self.model_config.vocab_size, self.runner.device)
-        self.constraints = ConstrainedDecoding(self.config, self.tokenizer, self.model_config.vocab_size,
-                                               list(self.model_config.eos_token_ids), self.runner.device)
         self._aborted_while_compiling: set[str] = set()
         self._lock = threading.Lock()
         self._started.set()  # the loop may begin serving
@@ -404,7 +408,11 @@ class Engine:
             req.user_error = isinstance(error, ValueError)
             self.scheduler.abort(req.request_id, FinishReason.ERROR, error=str(error))
         else:
-            self.constraints.attach(req, grammar)
+            try:
+                self.constraints.attach(req, grammar, self.runner.pool.max_context_len)
+            except ValueError as e:  # the request cannot be served as asked (its budget): say why
+                req.user_error = True
+                self.scheduler.abort(req.request_id, FinishReason.ERROR, error=str(e))
 
     def _loop(self) -> None:
         try:
@@ -468,3 +476,8 @@ class Engine:
             self.scheduler.fail_step(plan, f"internal error: {type(e).__name__}: {e}")
             return
         self.scheduler.process_results(plan, result, forward_s=time.perf_counter() - start)
+        replaced = self.scheduler.outputs.replaced_samples
+        for req in replaced:  # their sampled token was not the one kept: recount from the output
+            if req.params.has_penalties and req.pool_row >= 0:
+                self.sampler.penalties.reset_row(req.pool_row, req.prompt_ids, req.output_ids)
+        replaced.clear()

@@ -5,16 +5,22 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from radixgen.constraints.events import Rejection
 from radixgen.engine.detokenizer import IncrementalDetokenizer
 from radixgen.engine.request import FinishReason, Request, RequestOutput
 from radixgen.engine.sampler import SampleResult
+from radixgen.engine.steering import BudgetSteering
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...], max_context_len: int,
-                 jump_forward: bool = False) -> None:
+                 jump_forward: bool = False, steering: BudgetSteering | None = None) -> None:
         self.tokenizer = tokenizer
         self.jump_forward = jump_forward
+        self.steering = steering
+        self.replaced_samples: list[Request] = []
+        """Requests whose sampled token was replaced this step (by steering, or by the model's
+        own token found in jump-forward verification): the engine rebuilds their penalty counts."""
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context_len = max_context_len
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -32,19 +38,13 @@ class OutputProcessor:
         self, req: Request, token: int, result: SampleResult, row: int, *, allow_jump: bool = True
     ) -> FinishReason | None:
         """Record a sampled token (and, with jump-forward, the tokens the constraint forces after
-        it); return why the request ends now, or None to go on."""
-        params = req.params
+        it; with budget steering, the tokens that close the output instead of it); return why
+        the request ends now, or None to go on."""
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        if result.logprobs is not None and params.logprobs:
-            req.output_logprobs.append(float(result.logprobs[row]))
-        if result.top_ids is not None and result.top_logprobs is not None and params.top_logprobs:
-            n = params.top_logprobs
-            req.output_top_logprobs.append(
-                list(zip(result.top_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist(), strict=True))
-            )
         matcher = req.matcher
         if matcher is None:  # the common, unconstrained case
+            self._record_logprobs(req, result, row)
             return self._append_one(req, token)
         if req.dead_end is not None:  # the caller's constraint cannot go on: say so, do not guess
             req.error, req.user_error = req.dead_end, True
@@ -54,24 +54,80 @@ class OutputProcessor:
             req.error = f"internal error: the constraint rejected token {token} that its mask allowed"
             return FinishReason.ERROR
         if matcher.is_terminated():
+            self._record_logprobs(req, result, row)
             req.output_ids.append(token)
-            return FinishReason.STOP  # the automaton accepted its stop token: output complete
-        tokens = self._jump_forward(req, token) if self.jump_forward and allow_jump else [token]
+            return self._complete(req)  # the automaton accepted its stop token
+        steer = None
+        if req.budget is not None and self.steering is not None:
+            steer = self.steering.after_accept(req, token, self._tokens_left(req))
+        if steer is not None:
+            self.replaced_samples.append(req)  # the sampler counted the replaced token for penalties
+            tokens = steer.token_ids
+            forced_from = 0
+        else:
+            self._record_logprobs(req, result, row)
+            tokens = self._jump_forward(req, token) if self.jump_forward and allow_jump else [token]
+            forced_from = 1
+            if len(tokens) > 1 and req.budget is not None and self.steering is not None:
+                self.steering.follow_forced(req, tokens[1:])
         for i, t in enumerate(tokens):
-            if i > 0:  # forced by the constraint: probability 1 under it
-                if params.logprobs:
+            if i >= forced_from:  # forced by the constraint (or the budget): probability 1 under it
+                if req.params.logprobs:
                     req.output_logprobs.append(0.0)
-                if params.top_logprobs:
+                if req.params.top_logprobs:
                     req.output_top_logprobs.append([(t, 0.0)])
             reason = self._append_one(req, t)
             if reason is not None or req.pending_rollback is not None:
-                if matcher is not None and i + 1 < len(tokens):
+                if i + 1 < len(tokens):
                     matcher.rollback(len(tokens) - 1 - i)  # forced tokens never appended
                 req.forced_pending = 0
-                return reason
+                return self._complete(req) if reason is FinishReason.LENGTH and self._stop_here(req) else reason
+        if steer is not None and steer.finishes and self._stop_here(req):
+            return self._complete(req)
         if len(tokens) > 1:
             req.pending_extend = True
         return None
+
+    def _record_logprobs(self, req: Request, result: SampleResult, row: int) -> None:
+        params = req.params
+        override, req.sample_override = req.sample_override, None
+        if override is not None:
+            if params.logprobs:
+                req.output_logprobs.append(override[0])
+            if params.top_logprobs:
+                req.output_top_logprobs.append(override[1][: params.top_logprobs])
+            return
+        if result.logprobs is not None and params.logprobs:
+            req.output_logprobs.append(float(result.logprobs[row]))
+        if result.top_ids is not None and result.top_logprobs is not None and params.top_logprobs:
+            n = params.top_logprobs
+            req.output_top_logprobs.append(
+                list(zip(result.top_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist(), strict=True))
+            )
+
+    def _tokens_left(self, req: Request) -> int:
+        """Tokens the request may still generate, counting the one being appended."""
+        return min(req.params.max_new_tokens - len(req.output_ids), self.max_context_len - req.seq_len)
+
+    def _stop_here(self, req: Request) -> bool:
+        """At the end of the budget (or of steering), end the output if it is complete: the
+        automaton takes its stop token without a step spent sampling the only allowed token."""
+        matcher = req.matcher
+        assert matcher is not None
+        for t in self.eos_token_ids:
+            if matcher.accept(t):
+                matcher.rollback(1)  # the request ends here; a validator's rollback must find the state as it was
+                return True
+        return False
+
+    def _complete(self, req: Request) -> FinishReason | None:
+        """The automaton is terminated: a bare root value (a number) completes only here, so
+        the validators see it now; a rejection rolls back like any other."""
+        if req.validation is not None:
+            rejection = req.validation.feed("", final=True)
+            if rejection is not None:
+                return self._reject(req, rejection)
+        return FinishReason.STOP
 
     def _jump_forward(self, req: Request, token: int) -> list[int]:
         """The sampled token plus the tokens of the text the automaton forces next, appended
@@ -110,16 +166,21 @@ class OutputProcessor:
                 req.token_text_ends.append(len(detok.text))
                 rejection = req.validation.feed(detok.text[before:])
                 if rejection is not None:
-                    # back to the value's first token; ban the token that chose its content (for a
-                    # string, the one after the opening quote, which the automaton forces anyway)
-                    ban_char = rejection.start + (1 if rejection.is_string else 0)
-                    req.pending_rollback = (self._token_at(req, rejection.start), self._token_at(req, ban_char),
-                                            rejection.reason)
-                    return None
+                    return self._reject(req, rejection)
         if detok.stopped:
             return FinishReason.STOP
         if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.max_context_len:
             return FinishReason.LENGTH
+        return None
+
+    def _reject(self, req: Request, rejection: Rejection) -> FinishReason | None:
+        if rejection.fatal:  # the caller's validator is broken: this request ends, nothing else
+            req.error, req.user_error = rejection.reason, True
+            return FinishReason.CONSTRAINT_VIOLATION
+        # back to the value's first token; ban the token that chose its content (for a string,
+        # the one after the opening quote, which the automaton forces anyway)
+        ban_char = rejection.start + (1 if rejection.is_string else 0)
+        req.pending_rollback = (self._token_at(req, rejection.start), self._token_at(req, ban_char), rejection.reason)
         return None
 
     @staticmethod
@@ -139,10 +200,15 @@ class OutputProcessor:
         for t in req.output_ids[:keep]:
             detok.add_token(t)
             ends.append(len(detok.text))
+        # what was streamed stays streamed: only text past it is sent again (a rollback reaches
+        # back only into text that was held, never into text a client has seen)
+        detok.emitted = min(old.emitted, len(detok.text))
         self.detokenizers[req.request_id] = detok
         req.token_text_ends = ends
         if req.validation is not None:
             req.validation.reset(detok.text)
+        if req.budget is not None:
+            req.budget.reset(detok.text)
 
     def emit(self, req: Request, *, final: bool, has_new_token: bool) -> RequestOutput | None:
         """Hand a delta to the request's callback; non-streaming requests only get the end, and
@@ -167,6 +233,7 @@ class OutputProcessor:
             output_ids=list(req.output_ids) if final else None,
             prompt_logprobs=req.prompt_logprobs.tolist() if final and req.prompt_logprobs is not None else None,
             text=detok.text if final else None,
+            shortened=final and req.budget is not None and req.budget.steered_tokens > 0,
         )
         if req.on_output is not None:
             req.on_output(out)

@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from radixgen.constraints.spec import (
     schema_spec,
 )
 from radixgen.errors import InvalidParamsError
+
+if TYPE_CHECKING:
+    from radixgen.engine.steering import BudgetState
 
 MAX_TOP_LOGPROBS = 20
 
@@ -202,6 +205,10 @@ class RequestOutput:
     from that index on."""
     text: str | None = None
     """Final output only: the whole output text."""
+    shortened: bool = False
+    """Final output only: budget steering closed the constrained output early (a string, an
+    array or an object was ended, or the rest completed with its shortest valid text) so that it
+    finished within max_new_tokens."""
 
 
 @dataclass(eq=False)
@@ -247,8 +254,9 @@ class Request:
     """Jump-forward appended forced tokens: compute them in the next prefill (extend) step."""
     forced_pending: int = 0
     """Forced tokens at the end of the output not yet checked against the model's greedy choice."""
-    forced_mismatch: tuple[int, int] | None = None
-    """(forced tokens to keep, the model's token instead of the next one) found by verification."""
+    forced_mismatch: tuple[int, int, tuple[float, list[tuple[int, float]]]] | None = None
+    """(forced tokens to keep, the model's token instead of the next one, its log-probability and
+    top log-probabilities) found by verification."""
     pending_rollback: tuple[int, int, str] | None = None
     """(output tokens to keep, position whose token to ban, why) set by a validator rejection."""
     num_rollbacks: int = 0
@@ -256,6 +264,11 @@ class Request:
     """Why the constraint (with the validators' bans) allowed no token at this step, if it did not."""
     prompt_logprobs: np.ndarray | None = None
     """[prompt_len - prompt_logprob_start] float32, filled as prefill computes the positions."""
+    budget: BudgetState | None = None
+    """Budget steering's state for a constrained request (engine/steering.py)."""
+    sample_override: tuple[float, list[tuple[int, float]]] | None = None
+    """Log-probability and top log-probabilities of a token that replaced this step's sample (the
+    model's own choice found by jump-forward verification), recorded instead of the sample's."""
 
     @property
     def prompt_len(self) -> int:

@@ -27,6 +27,7 @@ from radixgen.engine.outputs import OutputProcessor
 from radixgen.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from radixgen.engine.sampler import SampleResult
 from radixgen.engine.stats import SchedulerStats, StepRecord
+from radixgen.engine.steering import BudgetSteering
 from radixgen.radix import RadixTree
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,8 @@ def _prompt_scoring(reqs: list[Request], prefix_lens: np.ndarray, extend_lens: n
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: KVPool, tokenizer: Any, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, config: EngineConfig, pool: KVPool, tokenizer: Any, eos_token_ids: tuple[int, ...], *,
+                 steering: BudgetSteering | None = None) -> None:
         self.config = config
         self.pool = pool
         self.tree = RadixTree()
@@ -90,7 +92,8 @@ class Scheduler:
         self.chunked: Request | None = None
         """The request whose prompt is part-way through chunked prefill (holds KV, not running)."""
         self.requests: dict[str, Request] = {}
-        self.outputs = OutputProcessor(tokenizer, eos_token_ids, pool.max_context_len, jump_forward=config.jump_forward)
+        self.outputs = OutputProcessor(tokenizer, eos_token_ids, pool.max_context_len, jump_forward=config.jump_forward,
+                                       steering=steering)
         self.stats = SchedulerStats(event_log=config.event_log)
         self._decode_turn = False
         self._step = StepRecord()
@@ -227,6 +230,10 @@ class Scheduler:
         start = req.params.prompt_logprob_start
         # a scored prompt position must be computed, so the cache serves only what precedes it
         reusable = len(tokens) - 1 if start is None else min(len(tokens) - 1, start - 1)
+        if req.forced_pending:
+            # jump-forward's forced tokens are verified against the logits before each of them,
+            # so those positions are computed even when the cache holds them
+            reusable = min(reusable, len(tokens) - req.forced_pending - 1)
         match = self.tree.match_prefix(tokens[:reusable]) if self.use_cache else None
         prefix = match.length if match is not None else 0
         need = len(tokens) - prefix + _reserve(req)
@@ -395,25 +402,15 @@ class Scheduler:
         allow_jump = len(self.running) <= self.config.jump_forward_max_batch
         num_prefill = plan.num_prefill if plan.kind is StepKind.PREFILL else 0
         extend_lens = plan.extend_lens.tolist()
-        append_token, emit = self.outputs.append_token, self.outputs.emit
         for i, req in enumerate(plan.requests):
             req.num_computed += extend_lens[i]
-            if i < num_prefill and not self._after_prefill(req, plan, i, token_ids):
-                continue  # a non-final chunk: nothing to sample yet
-            reason = append_token(req, token_ids[i], result, i, allow_jump=allow_jump)
-            if req.pending_rollback is not None:
-                out = self._rollback(req)
-                if out is not None:
-                    outputs.append(out)
-            elif reason is not None:
-                self._remove_running(req)
-                outputs.append(self._finish(req, reason, has_new_token=True))
-            elif req.pending_extend:
-                self._requeue_for_extend(req)
-            else:
-                out = emit(req, final=False, has_new_token=True)
-                if out is not None:
-                    outputs.append(out)
+            try:
+                out = self._apply_result(req, plan, i, token_ids, result, num_prefill, allow_jump)
+            except Exception as e:  # noqa: BLE001 - one request's fault (user code, a bug) ends it alone
+                logger.exception("applying the step's result to %s failed", req.request_id)
+                out = self._fail_request(req, f"internal error: {type(e).__name__}: {e}")
+            if out is not None:
+                outputs.append(out)
         sampled = plan.sample_mask
         self.stats.generated_tokens += len(plan.requests) if sampled is None else int(sampled.sum())
         self._step.kind = "mixed" if plan.num_decode else plan.kind.value
@@ -424,13 +421,40 @@ class Scheduler:
                           kv_used=self.pool.used(), cached=self.tree.cached_tokens())
         return outputs
 
+    def _apply_result(self, req: Request, plan: StepPlan, i: int, token_ids: list[int], result: SampleResult,
+                      num_prefill: int, allow_jump: bool) -> RequestOutput | None:
+        if i < num_prefill and not self._after_prefill(req, plan, i, token_ids):
+            return None  # a non-final chunk: nothing to sample yet
+        reason = self.outputs.append_token(req, token_ids[i], result, i, allow_jump=allow_jump)
+        if req.pending_rollback is not None:
+            return self._rollback(req)
+        if reason is not None:
+            self._remove_running(req)
+            return self._finish(req, reason, has_new_token=True)
+        if req.pending_extend:
+            self._requeue_for_extend(req)
+            return None
+        return self.outputs.emit(req, final=False, has_new_token=True)
+
+    def _fail_request(self, req: Request, error: str) -> RequestOutput | None:
+        if req.is_finished or req.request_id not in self.requests:
+            return None
+        if req in self.running:
+            self._remove_running(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req is self.chunked:
+            self.chunked = None
+        return self._finish(req, FinishReason.ERROR, error=error)
+
     def _after_prefill(self, req: Request, plan: StepPlan, i: int, token_ids: list[int]) -> bool:
         """Prefill-only bookkeeping: jump-forward verification outcome, prefix caching, joining the
         decode group. False for a non-final chunk (nothing is sampled for it)."""
         req.forced_pending = 0
         mismatch, req.forced_mismatch = req.forced_mismatch, None
         if mismatch is not None:  # the model would not have produced the forced tokens from here
-            keep, token_ids[i] = mismatch
+            keep, token_ids[i], req.sample_override = mismatch
+            self.outputs.replaced_samples.append(req)  # the sampler counted the discarded sample
             self._drop_forced_tail(req, keep)
         if self.use_cache:
             self._cache_computed_prefix(req)
@@ -508,6 +532,7 @@ class Scheduler:
         req.error = error or req.error
         out = self.outputs.emit(req, final=True, has_new_token=has_new_token)
         assert out is not None, "a final output is always emitted"
+        self.stats.num_shortened += out.shortened
         self.outputs.remove(req)
         del self.requests[req.request_id]
         return out

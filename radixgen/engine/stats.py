@@ -40,6 +40,8 @@ class SchedulerStats:
         self.num_retractions = 0
         self.num_rollbacks = 0
         self.num_jump_forwards = 0
+        self.num_shortened = 0
+        """Constrained requests that budget steering closed early so they finished in budget."""
         self.schedule_time_s = 0.0
         self.forward_time_s = 0.0
         self.queue_depth = 0
@@ -84,7 +86,7 @@ class SchedulerStats:
 
     def snapshot(self) -> dict[str, float]:
         keys = ("num_steps", "num_prefill_steps", "num_decode_steps", "prompt_tokens", "cached_prompt_tokens",
-                "computed_tokens", "generated_tokens", "evicted_tokens", "num_retractions", "num_rollbacks", "num_jump_forwards", "schedule_time_s",
+                "computed_tokens", "generated_tokens", "evicted_tokens", "num_retractions", "num_rollbacks", "num_jump_forwards", "num_shortened", "schedule_time_s",
                 "forward_time_s", "queue_depth", "running", "kv_used", "cached_tokens")
         out: dict[str, float] = {k: getattr(self, k) for k in keys}
         out |= {"cache_hit_rate": self.cache_hit_rate, "avg_batch_size": self.avg_batch_size,

@@ -108,7 +108,7 @@ class Runtime(Backend):
             raise (InvalidParamsError if getattr(out, "user_error", False) else RuntimeError)(out.error)
         meta = {"request_id": out.request_id, "finish_reason": out.finish_reason.value,
                 "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                "cached_tokens": out.cached_tokens}
+                "cached_tokens": out.cached_tokens, "shortened": bool(getattr(out, "shortened", False))}
         return GenResult(out.text or "", meta, out.prompt_logprobs)
 
     def generate(self, prompt: Prompt, params: dict[str, Any], on_text: OnText | None = None) -> GenResult:

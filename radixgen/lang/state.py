@@ -211,6 +211,8 @@ class ProgramState:
         if self._stream is None:
             self._text += result.text
         if params.get("json_schema") is not None and result.meta.get("finish_reason") == "length":
+            # only with budget steering off (EngineConfig.budget_steering): otherwise the engine
+            # closes the value in time, or refuses a max_tokens below the schema's shortest output
             raise ValueError(f"the JSON value was cut off at max_tokens={params['max_new_tokens']} before it was "
                              f"complete: raise max_tokens or bound the schema (maxLength, maxItems)")
         if item.name is not None:

@@ -144,15 +144,19 @@ JF_SCHEMAS = [
 
 
 def _jf_runs(make_engine: Callable[..., Engine], model: str | None, prompts: list[Any]) -> list[tuple[list[str], int]]:
+    """Without and with jump-forward, then with it again on the same engine, where the forced
+    tokens are already in the radix cache (they must still be verified against the model)."""
     runs = []
     for jump in (False, True):
         engine = make_engine(jump_forward=jump, **({"model": model} if model else {}))
-        texts = []
-        for prompt in prompts:
-            outs = engine.generate([prompt] * len(JF_SCHEMAS), [SamplingParams(max_new_tokens=80, temperature=0, json_schema=s)
-                                                                for s in JF_SCHEMAS])
-            texts += [o.text for o in outs]
-        runs.append((texts, engine.scheduler.stats.num_decode_steps))
+        for _ in range(1 + jump):
+            steps_before = engine.scheduler.stats.num_decode_steps
+            texts = []
+            for prompt in prompts:
+                outs = engine.generate([prompt] * len(JF_SCHEMAS), [
+                    SamplingParams(max_new_tokens=80, temperature=0, json_schema=s) for s in JF_SCHEMAS])
+                texts += [o.text for o in outs]
+            runs.append((texts, engine.scheduler.stats.num_decode_steps - steps_before))
     return runs
 
 
@@ -160,7 +164,7 @@ def test_jump_forward_saves_decode_steps(make_engine: Callable[..., Engine]) -> 
     """Output equality is asserted on the real model below. Here, with random weights, logits are
     nearly tied, and the forced tokens' KV computed in one extend differs from token-by-token
     decode in the last float bits (other matmul shapes), which can flip such a tie."""
-    (plain, plain_steps), (jumped, jumped_steps) = _jf_runs(make_engine, None, ["JSON please:", "Record:"])
+    (plain, plain_steps), (jumped, jumped_steps), _ = _jf_runs(make_engine, None, ["JSON please:", "Record:"])
     assert jumped_steps < plain_steps * 0.8, (plain_steps, jumped_steps)
     for text, schema in zip(jumped, JF_SCHEMAS * 2, strict=True):
         jsonschema.validate(json.loads(text), schema)
@@ -170,8 +174,9 @@ def test_jump_forward_saves_decode_steps(make_engine: Callable[..., Engine]) -> 
 def test_jump_forward_on_the_real_model(make_engine: Callable[..., Engine], real_engine: Engine) -> None:
     prompts = [real_engine.apply_chat_template([{"role": "user", "content": q}])
                for q in ("Describe a student as JSON.", "Give an order update as JSON.")]
-    (plain, plain_steps), (jumped, jumped_steps) = _jf_runs(make_engine, str(real_engine.model_path), prompts)
+    (plain, plain_steps), (jumped, jumped_steps), (cached, _) = _jf_runs(make_engine, str(real_engine.model_path), prompts)
     assert jumped == plain
+    assert cached == plain, "forced tokens found in the radix cache are verified like computed ones"
     assert jumped_steps < plain_steps * 0.7, (plain_steps, jumped_steps)
     for text, schema in zip(jumped, JF_SCHEMAS * 2, strict=True):
         jsonschema.validate(json.loads(text), schema)

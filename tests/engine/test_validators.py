@@ -54,3 +54,18 @@ def test_retries_exhausted_gives_constraint_violation(make_engine: Callable[...,
     assert out.finish_reason is FinishReason.CONSTRAINT_VIOLATION
     assert out.error is not None and "$.legs" in out.error
     assert engine.scheduler.stats.num_rollbacks == 2, "two retries, then the request ends"
+
+
+def test_a_bare_root_number_is_validated_when_the_output_ends(make_engine: Callable[..., Engine]) -> None:
+    """A root number completes only at the end of the output, where the validators must see it:
+    only 7 satisfies this schema (the automaton allows every digit), so any other sample is rolled
+    back and resampled, and a request out of retries ends with constraint_violation, never stop."""
+    engine = make_engine()
+    schema = {"type": "integer", "minimum": 0, "maximum": 9, "not": {"enum": [0, 1, 2, 3, 4, 5, 6, 8, 9]}}
+    outs = engine.generate(["Digit:"] * 6, [SamplingParams(max_new_tokens=4, temperature=1.0, seed=s, json_schema=schema,
+                                                          max_validation_retries=20) for s in range(6)])
+    for out in outs:
+        assert out.finish_reason in (FinishReason.STOP, FinishReason.CONSTRAINT_VIOLATION), out
+        if out.finish_reason is FinishReason.STOP:
+            assert json.loads(out.text) == 7
+    assert engine.scheduler.stats.num_rollbacks > 0

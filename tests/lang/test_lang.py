@@ -168,10 +168,27 @@ def test_runtime_validators_reject_in_the_decode_loop(runtime: Runtime) -> None:
     assert all(n % 2 == 0 for n in seen[:-1]), "every value before the accepted one was rejected"
 
 
-def test_a_json_value_cut_off_by_max_tokens_is_a_clear_error(runtime: Runtime) -> None:
+def test_a_budget_below_the_shortest_json_is_a_clear_error(runtime: Runtime) -> None:
     @function
     def too_short(s: Any) -> None:
         s += "List: " + gen("v", json_schema={"type": "array", "items": {"type": "string"}, "minItems": 5}, max_tokens=3)
 
-    with pytest.raises(ProgramError, match="cut off at max_tokens=3"):
+    with pytest.raises(ProgramError, match=r"shortest output .* is \d+ tokens.*raise max_tokens .* to at least \d+"):
         too_short.run(backend=runtime)
+
+
+def test_json_gen_finishes_within_its_budget(runtime: Runtime) -> None:
+    """The random tiny model writes strings until max_tokens: budget steering closes them in time,
+    so the program gets a complete, valid value and says it was shortened."""
+    schema = {"type": "object", "properties": {"component": {"type": "string"},
+                                               "severity": {"type": "integer", "minimum": 1, "maximum": 5}},
+              "required": ["component", "severity"]}
+
+    @function
+    def triage(s: Any) -> None:
+        s += "Bug: the server crashes.\nTriage: " + gen("triage", json_schema=schema, max_tokens=24, temperature=1.0)
+
+    states = [triage.run(backend=runtime, seed=n) for n in range(4)]
+    for state in states:
+        assert set(state["triage"]) == {"component", "severity"} and 1 <= state["triage"]["severity"] <= 5
+    assert any(state.meta("triage")["shortened"] for state in states)

@@ -1,0 +1,238 @@
+"""The cheapest way to finish a constrained output from where it stands.
+
+A constrained answer is only useful complete, and ``max_new_tokens`` is a hard end. The engine
+keeps, for each constrained request, the shortest text its automaton accepts from the current
+state up to a state where the stop token is allowed (``Completer.complete``), and its length in
+tokens; when the tokens left come close to that cost, the request is steered to close
+(engine/steering.py). The completion is found by walking the request's own matcher, so every
+character of it is accepted by the grammar: a string is closed where the automaton allows it,
+a missing required property gets the shortest value the automaton offers (``minLength``,
+``minimum``, ``enum`` / ``const``, ``pattern`` where the grammar encodes them), arrays are padded
+to ``minItems``, and every open container is closed. The walk is greedy over single-character
+tokens in a fixed preference order (closers first), taking each forced stretch whole; it is
+exact for what the grammar enforces and short in practice, not provably shortest. Regexes and
+choices are walked the same way (their automata are the same kind of matcher).
+"""
+
+from __future__ import annotations
+
+import string
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from radixgen.constraints.backend import Matcher
+
+# Which character the walk tries first where several are allowed: closers (end a string, an
+# object, an array), then the shortest values (digits), then letters and punctuation.
+_PREFERENCE = '"}]' + "1234567890" + string.ascii_lowercase + ".-_@:/+" + string.ascii_uppercase + ", "
+_PREFERENCE += "".join(c for c in string.printable if c not in _PREFERENCE and c not in "\t\n\r\x0b\x0c")
+_ALNUM = frozenset(string.ascii_letters + string.digits)
+_SEPARATORS = frozenset('"}],: ')
+# After this many letters or digits in a row the walk tries punctuation first, the kinds it has
+# not written lately first (an email pattern would otherwise be walked as "aaa.aaa.aaa..." or as
+# letters forever).
+_MAX_ALNUM_RUN = 3
+_MAX_COMPLETION_CHARS = 2048
+_MAX_WALK_STEPS = 4096
+_ENCODE_CACHE_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The shortest known way to finish: its text and that text's tokens."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+    @property
+    def cost(self) -> int:
+        return len(self.token_ids)
+
+
+class Completer:
+    """Finds completions for the matchers of one tokenizer (one per engine; loop thread only)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.stop_token_ids = list(stop_token_ids)
+        self._encoded: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        # the single-character tokens, in preference order; inside text (where a letter is
+        # allowed) letters come before the closers, so a padded string reads "aaa", not "}}}"
+        self._chars: list[tuple[str, int]] = []
+        for ch in _PREFERENCE:
+            ids = tokenizer.encode(ch, add_special_tokens=False)
+            if len(ids) == 1 and ids[0] < vocab_size and tokenizer.decode(ids) == ch:
+                self._chars.append((ch, int(ids[0])))
+        first = [c for c in self._chars if c[0] == '"']
+        words = sorted((c for c in self._chars if c[0] in _ALNUM), key=lambda c: c[0].isdigit())
+        self._text_order = first + words + [c for c in self._chars if c not in first and c not in words]
+        self._probe = next(t for ch, t in self._chars if ch == "a")
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        ids = self._encoded.get(text)
+        if ids is None:
+            ids = self._encoded[text] = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+            if len(self._encoded) > _ENCODE_CACHE_SIZE:
+                self._encoded.popitem(last=False)
+        else:
+            self._encoded.move_to_end(text)
+        return ids
+
+    def complete(self, matcher: Matcher) -> Completion | None:
+        """The completion from ``matcher``'s state (left unchanged), or None when the walk finds
+        no end within its bounds (the caller then cannot steer this request).
+
+        Depth-first: forced stretches are taken whole, elsewhere the first allowed character
+        in preference order; at a dead end (a bounded number whose digits ran out, say) the walk
+        backs up to the last choice and takes the next allowed character there."""
+        # each step: (tokens accepted, text, the remaining alternatives of a choice or None)
+        steps: list[tuple[int, str, Iterator[str] | None]] = []
+        size = 0
+        attempts = 0
+        try:
+            while size <= _MAX_COMPLETION_CHARS and attempts <= _MAX_WALK_STEPS:
+                attempts += 1
+                if self.can_stop(matcher):
+                    text = "".join(piece for _, piece, _ in steps)
+                    return Completion(text, self.encode(text))
+                forced = matcher.forced_string()
+                if forced and self._accept_all(matcher, self.encode(forced)):
+                    steps.append((len(self.encode(forced)), forced, None))
+                    size += len(forced)
+                    continue
+                run = 0
+                for _, piece, _ in reversed(steps):
+                    if not (len(piece) == 1 and piece in _ALNUM):
+                        break
+                    run += 1
+                recent = "".join(piece for _, piece, _ in steps[-16:]) if run >= _MAX_ALNUM_RUN else None
+                options = self._options(matcher, avoid=recent)
+                ch = next(options, None)
+                while ch is None:  # dead end: back up to the last choice that has another option
+                    if not steps:
+                        return None
+                    count, piece, rest = steps.pop()
+                    size -= len(piece)
+                    matcher.rollback(count)
+                    options = rest if rest is not None else iter(())
+                    ch = next(options, None)
+                steps.append((1, ch, options))
+                size += 1
+            return None
+        finally:
+            accepted = sum(count for count, _, _ in steps)
+            if accepted:
+                matcher.rollback(accepted)
+
+    def can_stop(self, matcher: Matcher) -> bool:
+        """Whether the output is complete here (the automaton accepts a stop token)."""
+        for t in self.stop_token_ids:
+            if matcher.accept(t):
+                matcher.rollback(1)
+                return True
+        return False
+
+    def _accept_all(self, matcher: Matcher, ids: tuple[int, ...]) -> bool:
+        for n, t in enumerate(ids):
+            if not matcher.accept(t):
+                matcher.rollback(n)
+                return False
+        return True
+
+    def _options(self, matcher: Matcher, *, avoid: str | None) -> Iterator[str]:
+        """The allowed next characters in preference order, each yielded with ``matcher``
+        advanced by it (the consumer rolls it back before asking for the next). Probing with
+        accept is far cheaper than filling a vocabulary-wide mask per character."""
+        in_text = matcher.accept(self._probe)
+        if in_text:
+            matcher.rollback(1)
+        order = self._text_order if in_text else self._chars
+        if avoid is not None:  # after a run of letters: punctuation not used lately, then the rest
+            marks = [c for c in order if c[0] not in _ALNUM and c[0] not in _SEPARATORS]
+            order = ([c for c in order if c[0] == '"'] + [c for c in marks if c[0] not in avoid]
+                     + [c for c in marks if c[0] in avoid] + [c for c in order if c[0] in _SEPARATORS]
+                     + [c for c in order if c[0] in _ALNUM])
+        finishing: set[str] = set()
+        if not in_text:  # in a number or between values: first whatever ends the output at once
+            for ch, t in order:
+                if matcher.accept(t):
+                    if self.can_stop(matcher):
+                        finishing.add(ch)
+                        yield ch
+                    else:
+                        matcher.rollback(1)
+        for ch, t in order:
+            if ch not in finishing and matcher.accept(t):
+                yield ch
+
+class RegexCompletions:
+    """Exact shortest completions of a regex (or a choice list) from every state of its DFA.
+
+    Built once per pattern with interegular (the spec already checked that it builds within
+    bounds): a breadth-first search backwards from the accepting states gives each state its
+    distance to acceptance and the character that makes progress; a request follows the DFA
+    through its output text, and its completion reads off the table.
+    """
+
+    def __init__(self, pattern: str) -> None:
+        import interegular
+        from interegular.fsm import anything_else
+
+        fsm = interegular.parse_pattern(pattern).to_fsm()
+        self._initial = int(fsm.initial)
+        self._map: dict[int, dict[int, int]] = {int(s): {int(k): int(v) for k, v in t.items()} for s, t in fsm.map.items()}
+        self._keys: dict[Any, int] = {ch: key for ch, key in fsm.alphabet.items()}
+        self._other = self._keys.get(anything_else)
+        explicit = {ch for ch in self._keys if isinstance(ch, str)}
+        # one character to write for each transition key (printable where possible)
+        spelling: dict[int, str] = {}
+        for ch, key in sorted(((c, k) for c, k in self._keys.items() if isinstance(c, str)),
+                              key=lambda ck: (_PREFERENCE.find(ck[0]) if ck[0] in _PREFERENCE else len(_PREFERENCE), ck[0])):
+            spelling.setdefault(key, ch)
+        if self._other is not None:
+            spelling[self._other] = next((c for c in _PREFERENCE if c not in explicit), "\u00a4")
+        reverse: dict[int, list[tuple[int, int]]] = {}
+        for state, moves in self._map.items():
+            for key, target in moves.items():
+                reverse.setdefault(target, []).append((state, key))
+        self._next: dict[int, tuple[str, int]] = {}
+        self._finals = frozenset(int(f) for f in fsm.finals)
+        frontier = list(self._finals)
+        seen: set[int] = set(frontier)
+        while frontier:
+            nxt: list[int] = []
+            for target in frontier:
+                for state, key in reverse.get(target, ()):
+                    if state not in seen and key in spelling:
+                        seen.add(state)
+                        self._next[state] = (spelling[key], target)
+                        nxt.append(state)
+            frontier = nxt
+
+    @property
+    def initial(self) -> int:
+        return self._initial
+
+    def advance(self, state: int | None, text: str) -> int | None:
+        """The state after ``text`` (None once the text has left the language)."""
+        for ch in text:
+            if state is None:
+                return None
+            key = self._keys.get(ch, self._other)
+            state = self._map.get(state, {}).get(key) if key is not None else None
+        return state
+
+    def completion(self, state: int | None) -> str | None:
+        """The shortest text that completes a match from ``state``."""
+        if state is None:
+            return None
+        pieces = []
+        while state not in self._finals:
+            step = self._next.get(state)
+            if step is None:
+                return None
+            pieces.append(step[0])
+            state = step[1]
+        return "".join(pieces)

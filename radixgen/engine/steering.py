@@ -1,0 +1,200 @@
+"""Budget steering: a constrained output always finishes within its token budget.
+
+Each constrained request keeps the cheapest completion from its automaton state
+(``constraints.budget.Completer``) and the tokens it has left (``max_new_tokens`` and the
+context end). After the model's token is accepted:
+
+- **hard**: if the completion from the new state no longer fits in what is left, the token is
+  taken back and the completion from the state before it is appended instead (it fits: that was
+  checked one token earlier, and before generation for the start state). The request then ends.
+- **soft**: within ``budget_margin_tokens`` of that point, a token that makes the completion
+  longer (a new optional property, another array item, a longer anyOf branch), or one that
+  starts a new word inside a string, is replaced by the first token of the completion: the
+  string closes at a word boundary, the array or object closes, and the model goes on from
+  there (it writes the next required value itself, not the minimum).
+
+Every appended token is accepted by the matcher and seen by the validators like a sampled one.
+Completions are recomputed only where they can change (a JSON token outside a string, every
+token of a regex) and only near the end of the budget (``_FAR``), so the walk costs nothing on
+most steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from radixgen.constraints.backend import Matcher
+from radixgen.constraints.budget import Completer, Completion, RegexCompletions
+from radixgen.constraints.spec import ConstraintSpec
+from radixgen.engine.request import Request
+
+_FAR_TOKENS = 64
+"""A completion is recomputed only when the tokens left are within max(_FAR_TOKENS, 2 x its last
+cost) of it: one token cannot make it that much longer in the schemas we serve, and the walk
+(~0.2-1 ms) then runs only at the end of a long output."""
+
+
+_SLACK_TOKENS = 1
+
+
+@dataclass
+class BudgetState:
+    """One request's view of its budget (updated token by token on the loop thread)."""
+
+    is_json: bool
+    dfa: RegexCompletions | None = None
+    """A regex's or choice list's DFA, for exact shortest completions (None: walk the matcher)."""
+    dfa_state: int | None = None
+    completion: Completion | None = None
+    """Cheapest completion from the current state (possibly from a few tokens back: see _FAR)."""
+    in_string: bool = False
+    escape: bool = False
+    string_chars: int = 0
+    disabled: bool = False
+    """No completion could be found (the walk's bound): this request is not steered."""
+    steered_tokens: int = 0
+    """Tokens appended by steering instead of the model's choice (the output was shortened)."""
+
+    def reset(self, text: str) -> None:
+        """Follow ``text`` from the start (after a rollback took the output back to it)."""
+        self.in_string, self.escape, self.string_chars = False, False, 0
+        self.dfa_state = self.dfa.initial if self.dfa is not None else None
+        self.completion = None
+        self.scan(text)
+
+    def snapshot(self) -> tuple[bool, bool, int, int | None]:
+        return self.in_string, self.escape, self.string_chars, self.dfa_state
+
+    def restore(self, saved: tuple[bool, bool, int, int | None]) -> None:
+        self.in_string, self.escape, self.string_chars, self.dfa_state = saved
+
+    def scan(self, text: str) -> bool:
+        """Follow the text of one token; True when the completion may have changed (for JSON,
+        when the token touched structure: anything outside a string, or a quote)."""
+        if self.dfa is not None:
+            self.dfa_state = self.dfa.advance(self.dfa_state, text)
+            return True
+        if not self.is_json:
+            return True
+        touched = False
+        for ch in text:
+            if not self.in_string:
+                touched = True
+                if ch == '"':
+                    self.in_string, self.string_chars = True, 0
+            elif self.escape:
+                self.escape = False
+                self.string_chars += 1
+            elif ch == "\\":
+                self.escape = True
+            elif ch == '"':
+                self.in_string, touched = False, True
+            else:
+                self.string_chars += 1
+        return touched
+
+
+@dataclass(frozen=True)
+class Steer:
+    """Tokens to append instead of the model's token, and whether they finish the output."""
+
+    token_ids: list[int]
+    finishes: bool
+
+
+class BudgetSteering:
+    def __init__(self, completer: Completer, tokenizer: Any, *, margin_tokens: int) -> None:
+        self.completer = completer
+        self.tokenizer = tokenizer
+        self.margin = margin_tokens
+        self._texts: dict[int, str] = {}
+
+    def start(self, req: Request, spec: ConstraintSpec, shortest: Completion, dfa: RegexCompletions | None) -> None:
+        req.budget = BudgetState(is_json=spec.kind in ("json_schema", "json_object"), completion=shortest, dfa=dfa,
+                                 dfa_state=dfa.initial if dfa is not None else None)
+
+    def shortest(self, spec: ConstraintSpec, matcher: Matcher, dfa: RegexCompletions | None) -> Completion | None:
+        """The shortest complete output of a fresh request."""
+        if dfa is not None:
+            text = dfa.completion(dfa.initial)
+            return Completion(text, self.completer.encode(text)) if text is not None else None
+        return self.completer.complete(matcher)
+
+    def _complete(self, state: BudgetState, matcher: Matcher) -> Completion | None:
+        if state.dfa is not None:
+            text = state.dfa.completion(state.dfa_state)
+            return Completion(text, self.completer.encode(text)) if text is not None else None
+        return self.completer.complete(matcher)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def follow_forced(self, req: Request, token_ids: list[int]) -> None:
+        """Jump-forward appended ``token_ids`` (the automaton forced them): follow their text."""
+        state = req.budget
+        assert state is not None
+        for t in token_ids:
+            state.scan(self.token_text(t))
+        state.completion = None  # recomputed at the next token
+
+    def after_accept(self, req: Request, token_id: int, tokens_left: int) -> Steer | None:
+        """Called once the matcher has accepted the sampled ``token_id`` with ``tokens_left``
+        counting its slot. Returns None to keep it; otherwise the matcher has been moved back
+        before it and on through the returned tokens."""
+        state, matcher = req.budget, req.matcher
+        assert state is not None and matcher is not None
+        if state.disabled:
+            return None
+        before = state.completion
+        saved = state.snapshot()
+        text = self.token_text(token_id)
+        in_string_before = state.in_string
+        touched = state.scan(text)
+        room = tokens_left - 1
+        near = before is None or room - before.cost <= max(_FAR_TOKENS, 2 * before.cost)
+        if not near:
+            return None  # far from the end: the completion from a few tokens back is good enough
+        after = self._complete(state, matcher) if touched or before is None else before
+        if after is None:
+            state.disabled = True
+            return None
+        state.completion = after
+        # one token of slack: the completion's tokens are counted on its text alone, and a
+        # forced stretch appended by jump-forward may be tokenized one token longer
+        if after.cost <= room - _SLACK_TOKENS:
+            slack = room - _SLACK_TOKENS - after.cost
+            grows = before is not None and after.cost > before.cost
+            new_word = in_string_before and state.in_string and text[:1].isspace() and saved[2] > 0
+            if slack >= self.margin or not (grows or new_word):
+                return None
+            finishes = False
+        else:
+            finishes = True
+        # take the model's token back and follow the completion from the state before it
+        matcher.rollback(1)
+        state.restore(saved)
+        fresh = self._complete(state, matcher)
+        if fresh is not None and not fresh.token_ids:
+            finishes = True  # complete already: stop here rather than let the output grow
+        if fresh is None or (finishes and fresh.cost > tokens_left):
+            matcher.accept(token_id)  # cannot do better than the model here
+            state.scan(text)
+            state.completion = after
+            return None
+        ids = list(fresh.token_ids) if finishes else list(fresh.token_ids[:1])
+        for n, t in enumerate(ids):
+            if not matcher.accept(t):  # the completion's tokenization is not the automaton's: give up
+                matcher.rollback(n)
+                matcher.accept(token_id)
+                state.scan(text)
+                state.disabled = True
+                return None
+        for t in ids:
+            state.scan(self.token_text(t))
+        state.completion = Completion("", ()) if finishes else None
+        state.steered_tokens += len(ids)
+        return Steer(ids, finishes)

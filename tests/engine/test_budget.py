@@ -1,0 +1,164 @@
+"""Budget steering: a constrained output is complete and valid within max_new_tokens, or refused
+up front when the constraint's shortest output cannot fit."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jsonschema
+import pytest
+
+from radixgen import Engine, FinishReason, SamplingParams
+from tests.engine.test_constrained import API_SCHEMAS, REAL_REGEXES, REAL_SCHEMAS
+
+# 'product' (an unbounded string array the model repeats) is the case steering exists for;
+# the rest add unbounded strings in nested required objects and pattern strings
+BUDGET_SCHEMAS = REAL_SCHEMAS + [a["schema"] for a in API_SCHEMAS if a["name"] == "product"] + [
+    {"type": "object", "properties": {
+        "component": {"type": "string"}, "severity": {"type": "integer", "minimum": 1, "maximum": 5}},
+     "required": ["component", "severity"]},
+    {"type": "object", "properties": {
+        "summary": {"type": "string"},
+        "reporter": {"type": "object", "properties": {"name": {"type": "string"}, "team": {"type": "string"}},
+                     "required": ["name", "team"]},
+        "steps": {"type": "array", "items": {"type": "string"}}},
+     "required": ["summary", "reporter", "steps"]},
+    {"type": "object", "properties": {
+        "ticket": {"type": "string", "pattern": "^[A-Z]{2,4}-[0-9]{1,5}$"}, "title": {"type": "string"},
+        "labels": {"type": "array", "items": {"enum": ["bug", "feature", "docs"]}, "minItems": 1}},
+     "required": ["ticket", "title", "labels"]},
+]
+SHORTEST = re.compile(r"the shortest output the .* allows is (\d+) tokens")
+
+
+def _refused_below(out: Any, budget: int) -> int | None:
+    """The minimum budget a refusal names (None if ``out`` is no refusal)."""
+    if out.finish_reason is not FinishReason.ERROR:
+        return None
+    assert out.user_error, out.error
+    match = SHORTEST.search(out.error or "")
+    assert match, out.error
+    assert int(match.group(1)) > budget, "refused although the shortest output fits"
+    assert f"at least {match.group(1)}" in (out.error or ""), "the error says what to raise max_tokens to"
+    return int(match.group(1))
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_outputs_finish_valid_within_tight_budgets(real_engine: Engine, temperature: float) -> None:
+    assert len(BUDGET_SCHEMAS) >= 20
+    prompts = [real_engine.apply_chat_template([{"role": "user", "content": f"Reply with a detailed JSON record. Case {i}."}])
+               for i in range(len(BUDGET_SCHEMAS))]
+    shortened = 0
+    before = real_engine.stats_snapshot()["num_shortened"]
+    for budget in (32, 64, 128):
+        outs = real_engine.generate(prompts, [SamplingParams(max_new_tokens=budget, temperature=temperature, seed=11,
+                                                             json_schema=s) for s in BUDGET_SCHEMAS])
+        for out, schema in zip(outs, BUDGET_SCHEMAS, strict=True):
+            if _refused_below(out, budget) is not None:
+                continue
+            assert out.finish_reason is FinishReason.STOP, (budget, out.finish_reason, out.text, out.error)
+            assert out.completion_tokens <= budget
+            jsonschema.validate(json.loads(out.text), schema)
+            shortened += out.shortened
+        if budget == 32:
+            assert sum(o.finish_reason is FinishReason.STOP for o in outs) >= 15, "most schemas fit 32 tokens"
+    assert shortened > 0, "tight budgets steer some outputs to close"
+    assert real_engine.stats_snapshot()["num_shortened"] - before == shortened
+
+
+@pytest.mark.real_model
+def test_regexes_and_choices_match_in_full_at_every_budget(real_engine: Engine) -> None:
+    prompt = real_engine.apply_chat_template([{"role": "user", "content": "Answer with something long."}])
+    patterns = [*REAL_REGEXES, r"[a-z]+( [a-z]+)*\.", r"(ab)+c"]
+    for pattern in patterns:
+        budgets = range(1, 15)
+        outs = real_engine.generate([prompt] * len(budgets), [
+            SamplingParams(max_new_tokens=b, temperature=1.0, seed=b, regex=pattern) for b in budgets])
+        named, first_fit = set(), None
+        for budget, out in zip(budgets, outs, strict=True):
+            refused = _refused_below(out, budget)
+            if refused is not None:
+                assert first_fit is None, "a larger budget was refused after a smaller one fitted"
+                named.add(refused)
+                continue
+            first_fit = first_fit or budget
+            assert out.finish_reason is FinishReason.STOP, (pattern, budget, out.text)
+            assert re.fullmatch(pattern, out.text), (pattern, budget, out.text)
+        assert first_fit is not None, pattern
+        assert named <= {first_fit}, f"{pattern}: refusals named {named}, the smallest budget that fit was {first_fit}"
+    choices = ["yes", "no", "it depends on the weather tomorrow"]
+    for budget in (1, 2, 3):
+        out = real_engine.generate(prompt, SamplingParams(max_new_tokens=budget, temperature=1.0, seed=budget,
+                                                          choices=choices))
+        assert out.finish_reason is FinishReason.STOP and out.text in choices, out
+
+
+def test_refusal_names_the_minimum_budget(tiny_engine: Engine) -> None:
+    schema = {"type": "object", "properties": {"first_name": {"type": "string", "minLength": 3},
+                                               "last_name": {"type": "string"}},
+              "required": ["first_name", "last_name"]}
+    out = tiny_engine.generate("Person:", SamplingParams(max_new_tokens=4, json_schema=schema))
+    minimum = _refused_below(out, 4)
+    assert minimum is not None and out.token_ids == []
+    at_minimum = tiny_engine.generate("Person:", SamplingParams(max_new_tokens=minimum, temperature=1.0, seed=1,
+                                                                json_schema=schema))
+    assert at_minimum.finish_reason is FinishReason.STOP and at_minimum.shortened
+    jsonschema.validate(json.loads(at_minimum.text), schema)
+    assert len(json.loads(at_minimum.text)["first_name"]) >= 3
+
+
+def test_steering_off_cuts_at_length_and_on_finishes(make_engine: Callable[..., Engine]) -> None:
+    """The tiny random model rambles inside strings: the budget-unaware run is cut, the steered
+    run ends with a complete value of the same schema."""
+    schema = {"type": "object", "properties": {"note": {"type": "string"}, "level": {"type": "integer"}},
+              "required": ["note", "level"]}
+    params = [SamplingParams(max_new_tokens=20, temperature=1.0, seed=s, json_schema=schema) for s in range(6)]
+    plain = make_engine(budget_steering=False).generate(["Note:"] * 6, params)
+    steered = make_engine().generate(["Note:"] * 6, params)
+    assert any(o.finish_reason is FinishReason.LENGTH for o in plain), [o.text for o in plain]
+    for out in steered:
+        assert out.finish_reason is FinishReason.STOP, out.text
+        jsonschema.validate(json.loads(out.text), schema)
+    assert any(o.shortened for o in steered)
+
+
+def test_a_broken_validator_fails_its_request_only(tiny_engine: Engine) -> None:
+    schema = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}}, "required": ["kind"]}
+
+    def broken(value: Any) -> bool:
+        raise KeyError("no such field")
+
+    outs = tiny_engine.generate(["Animal:", "Animal:"], [
+        SamplingParams(max_new_tokens=30, json_schema=schema, validators={"$.kind": broken}),
+        SamplingParams(max_new_tokens=30, json_schema=schema)])
+    assert outs[0].finish_reason is FinishReason.CONSTRAINT_VIOLATION
+    assert outs[0].error is not None and "KeyError" in outs[0].error and "$.kind" in outs[0].error
+    assert outs[1].finish_reason is FinishReason.STOP
+    again = tiny_engine.generate("Animal:", SamplingParams(max_new_tokens=30, json_schema=schema))
+    assert again.finish_reason is FinishReason.STOP, "the engine keeps serving"
+
+
+# the issue's schema: 385 = 5 * 7 * 11 is the smallest number that satisfies every branch
+COMPOSED_ROOT = {"type": "number", "allOf": [{"minimum": 1}, {"$ref": "#/definitions/any1"},
+                                             {"$ref": "#/definitions/any2"}, {"$ref": "#/definitions/any3"}],
+                 "definitions": {"any1": {"oneOf": [{"multipleOf": 5}, {"multipleOf": 10}]},
+                                 "any2": {"oneOf": [{"not": {"multipleOf": 5}}, {"multipleOf": 7}]},
+                                 "any3": {"oneOf": [{"not": {"multipleOf": 7}}, {"multipleOf": 11}]}}}
+
+
+@pytest.mark.real_model
+def test_a_scalar_root_that_fails_its_schema_is_never_a_success(real_engine: Engine) -> None:
+    prompt = real_engine.apply_chat_template([{"role": "user", "content": "Give me a number."}])
+    outs = real_engine.generate([prompt] * 6, [SamplingParams(max_new_tokens=24, temperature=0.7, seed=s,
+                                                              json_schema=COMPOSED_ROOT) for s in range(6)])
+    for out in outs:
+        assert out.finish_reason in (FinishReason.STOP, FinishReason.CONSTRAINT_VIOLATION), out
+        if out.finish_reason is FinishReason.STOP:
+            jsonschema.validate(json.loads(out.text), COMPOSED_ROOT)
+    rejected = real_engine.generate(prompt, SamplingParams(max_new_tokens=24, temperature=0, json_schema={
+        "type": "integer", "minimum": 0, "maximum": 99, "not": {"multipleOf": 1}}, max_validation_retries=2))
+    assert rejected.finish_reason is FinishReason.CONSTRAINT_VIOLATION, "no integer is valid: never a stop"
