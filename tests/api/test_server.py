@@ -324,3 +324,37 @@ def test_auto_tool_choice_answers_in_text_or_a_parsed_call(server: LiveServer) -
         assert choice.message.tool_calls[0].function.name in ("paint", "wait")
     else:
         assert choice.message.content is not None and choice.message.tool_calls is None
+
+
+def test_json_finishes_within_max_tokens_and_a_budget_too_small_is_a_400(server: LiveServer) -> None:
+    """Through the openai client: at a tight budget every answer is complete JSON ('stop', flagged
+    shortened where steered, counted in /metrics); below the schema's shortest output, a 400 that
+    says how many tokens are needed, with nothing left held."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"note": {"type": "string"}, "level": {"type": "integer"}},
+              "required": ["note", "level"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    c = client(server)
+    shortened = 0
+    for seed in range(4):
+        resp = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=16, temperature=1.0, seed=seed,
+                                         response_format=fmt)  # type: ignore[call-overload]
+        choice = resp.choices[0]
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content or ""), schema)
+        shortened += bool((choice.model_extra or {}).get("shortened"))
+    streamed = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=16, temperature=1.0, seed=0,
+                                         response_format=fmt, stream=True)  # type: ignore[call-overload]
+    chunks = list(streamed)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads("".join(ch.choices[0].delta.content or "" for ch in chunks)), schema)
+    assert shortened > 0, "the tiny model rambles: some answers were steered to close"
+    metrics = httpx.get(server.url + "/metrics").text
+    line = next(ln for ln in metrics.splitlines() if ln.startswith("radixgen_shortened_requests "))
+    assert float(line.split()[1]) >= shortened
+    with pytest.raises(openai.BadRequestError, match=r"at least \d+"):
+        c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3,
+                                  response_format=fmt)  # type: ignore[call-overload]
+    stats = server.wait_idle()
+    assert stats["active_requests"] == 0 and stats["held_by_requests"] == 0

@@ -4,6 +4,7 @@ import json
 import random
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -108,3 +109,23 @@ def test_pydantic_field_validators_reject_the_field_as_it_completes() -> None:
     assert ok.feed('{"city": "Paris", "nights": 2,') is None
     whole = ok.feed(' "guests": 3}', final=True)
     assert whole is not None and whole.path == () and "more guests than nights" in whole.reason
+
+
+@pytest.mark.parametrize(("mode", "unique_items", "refused"), [
+    ("unique", True, True), ("unique", False, False), ("all", False, True), ("off", True, False),
+])
+def test_repeated_array_items(mode: str, unique_items: bool, refused: bool) -> None:
+    from radixgen.constraints.events import SchemaValidators, Validation
+
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                        **({"uniqueItems": True} if unique_items else {})}}}
+    validation = Validation(schema=SchemaValidators(schema), repeated_items=mode)  # type: ignore[arg-type]
+    assert validation.feed('{"tags": ["a", "b", ') is None
+    rejection = validation.feed('"a"')
+    assert (rejection is not None) is refused
+    if rejection is not None:
+        assert rejection.path == ("tags", 2) and rejection.start == len('{"tags": ["a", "b", ') and "repeats" in rejection.reason
+        validation.reset('{"tags": ["a", "b", ')  # the rollback: the kept items are remembered again
+        assert validation.feed('"b"') is not None
+        validation.reset('{"tags": ["a", "b", ')
+        assert validation.feed('"c"]}') is None
