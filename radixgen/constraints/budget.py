@@ -29,7 +29,7 @@ from radixgen.constraints.backend import Matcher
 _PREFERENCE = '"}]' + "1234567890" + string.ascii_lowercase + ".-_@:/+" + string.ascii_uppercase + ", "
 _PREFERENCE += "".join(c for c in string.printable if c not in _PREFERENCE and c not in "\t\n\r\x0b\x0c")
 _ALNUM = frozenset(string.ascii_letters + string.digits)
-_SEPARATORS = frozenset('"}],: ')
+_CLOSERS = frozenset('"}],')
 # After this many letters or digits in a row the walk tries punctuation first, the kinds it has
 # not written lately first (an email pattern would otherwise be walked as "aaa.aaa.aaa..." or as
 # letters forever).
@@ -150,9 +150,9 @@ class Completer:
             matcher.rollback(1)
         order = self._text_order if in_text else self._chars
         if avoid is not None:  # after a run of letters: punctuation not used lately, then the rest
-            marks = [c for c in order if c[0] not in _ALNUM and c[0] not in _SEPARATORS]
+            marks = [c for c in order if c[0] not in _ALNUM and c[0] not in _CLOSERS]
             order = ([c for c in order if c[0] == '"'] + [c for c in marks if c[0] not in avoid]
-                     + [c for c in marks if c[0] in avoid] + [c for c in order if c[0] in _SEPARATORS]
+                     + [c for c in marks if c[0] in avoid] + [c for c in order if c[0] in _CLOSERS and c[0] != '"']
                      + [c for c in order if c[0] in _ALNUM])
         finishing: set[str] = set()
         if not in_text:  # in a number or between values: first whatever ends the output at once

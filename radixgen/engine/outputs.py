@@ -233,7 +233,7 @@ class OutputProcessor:
             output_ids=list(req.output_ids) if final else None,
             prompt_logprobs=req.prompt_logprobs.tolist() if final and req.prompt_logprobs is not None else None,
             text=detok.text if final else None,
-            shortened=final and req.budget is not None and req.budget.steered_tokens > 0,
+            shortened=final and req.budget is not None and req.budget.shortened,
         )
         if req.on_output is not None:
             req.on_output(out)

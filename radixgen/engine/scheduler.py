@@ -540,11 +540,6 @@ class Scheduler:
     def fail_step(self, plan: StepPlan, error: str) -> None:
         """An internal fault during the step: end its requests with an error, keep serving."""
         for i, req in enumerate(plan.requests):
-            if req.is_finished:
-                continue
-            if req in self.running:
-                self._remove_running(req)
-            if req is self.chunked:
-                self.chunked = None
-            req.num_computed += int(plan.extend_lens[i])  # their slots were allocated for this step
-            self._finish(req, FinishReason.ERROR, error=error)
+            if not req.is_finished:
+                req.num_computed += int(plan.extend_lens[i])  # their slots were allocated for this step
+                self._fail_request(req, error)

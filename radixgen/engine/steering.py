@@ -15,7 +15,7 @@ context end). After the model's token is accepted:
 
 Every appended token is accepted by the matcher and seen by the validators like a sampled one.
 Completions are recomputed only where they can change (a JSON token outside a string, every
-token of a regex) and only near the end of the budget (``_FAR``), so the walk costs nothing on
+token of a regex) and only near the end of the budget (``_FAR_TOKENS``), so the walk costs nothing on
 most steps.
 """
 
@@ -36,6 +36,7 @@ cost) of it: one token cannot make it that much longer in the schemas we serve, 
 
 
 _SLACK_TOKENS = 1
+_RETRY_AFTER_TOKENS = 4
 
 
 @dataclass
@@ -47,14 +48,20 @@ class BudgetState:
     """A regex's or choice list's DFA, for exact shortest completions (None: walk the matcher)."""
     dfa_state: int | None = None
     completion: Completion | None = None
-    """Cheapest completion from the current state (possibly from a few tokens back: see _FAR)."""
+    """Cheapest completion from the current state (possibly from a few tokens back: see _FAR_TOKENS)."""
+    stale: bool = False
+    """Structure changed since ``completion`` was found (while far from the end)."""
     in_string: bool = False
     escape: bool = False
     string_chars: int = 0
     disabled: bool = False
-    """No completion could be found (the walk's bound): this request is not steered."""
+    """The completion's tokens were refused by the automaton: this request is not steered."""
+    retry_below: float = float("inf")
+    """After a walk found no completion: steer again only once fewer tokens than this are left."""
     steered_tokens: int = 0
-    """Tokens appended by steering instead of the model's choice (the output was shortened)."""
+    """Tokens appended by steering instead of the model's choice."""
+    shortened: bool = False
+    """Steering changed the output (appended tokens, or ended it where the model went on)."""
 
     def reset(self, text: str) -> None:
         """Follow ``text`` from the start (after a rollback took the output back to it)."""
@@ -154,13 +161,18 @@ class BudgetSteering:
         text = self.token_text(token_id)
         in_string_before = state.in_string
         touched = state.scan(text)
+        if tokens_left > state.retry_below:
+            state.stale = state.stale or touched
+            return None
         room = tokens_left - 1
         near = before is None or room - before.cost <= max(_FAR_TOKENS, 2 * before.cost)
         if not near:
+            state.stale = state.stale or touched
             return None  # far from the end: the completion from a few tokens back is good enough
-        after = self._complete(state, matcher) if touched or before is None else before
-        if after is None:
-            state.disabled = True
+        after = self._complete(state, matcher) if touched or state.stale or before is None else before
+        state.stale = False
+        if after is None:  # the walk found no end from here: try again a few tokens on
+            state.completion, state.retry_below = None, tokens_left - _RETRY_AFTER_TOKENS
             return None
         state.completion = after
         # one token of slack: the completion's tokens are counted on its text alone, and a
@@ -197,4 +209,5 @@ class BudgetSteering:
             state.scan(self.token_text(t))
         state.completion = Completion("", ()) if finishes else None
         state.steered_tokens += len(ids)
+        state.shortened = True
         return Steer(ids, finishes)
