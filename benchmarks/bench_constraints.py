@@ -219,6 +219,19 @@ def budget_runs(dtype: str, budgets: list[int], seeds: int) -> list[dict[str, An
     rows = []
     for steering in (False, True):
         engine = Engine(EngineConfig(dtype=dtype, budget_steering=steering))  # type: ignore[arg-type]
+        spent = [0.0]  # seconds inside steering's per-token decision (walks included)
+        steer = engine.scheduler.outputs.steering
+        if steer is not None:
+            decide = steer.after_accept
+
+            def timed(*args: Any, _decide: Any = decide) -> Any:
+                start = time.perf_counter()
+                try:
+                    return _decide(*args)
+                finally:
+                    spent[0] += time.perf_counter() - start
+
+            steer.after_accept = timed  # type: ignore[method-assign]
         for label, specs in (("api", API), ("real-world", REALWORLD)):
             prompts = [engine.apply_chat_template([{"role": "user", "content": f"Write a complete {s['name'].replace('_', ' ')} "
                                                                                   "as JSON, with realistic values."}])
@@ -227,6 +240,7 @@ def budget_runs(dtype: str, budgets: list[int], seeds: int) -> list[dict[str, An
             for budget in budgets:
                 jobs = [(p, SamplingParams(max_new_tokens=budget, temperature=0.7, seed=seed, json_schema=s["schema"]))
                         for seed in range(seeds) for p, s in zip(prompts, specs, strict=True)]
+                spent[0] = 0.0
                 start = time.perf_counter()
                 outs = engine.generate([p for p, _ in jobs], [params for _, params in jobs])
                 elapsed = time.perf_counter() - start
@@ -249,7 +263,8 @@ def budget_runs(dtype: str, budgets: list[int], seeds: int) -> list[dict[str, An
                              "steered_pct": 100 * steered / served if served else float("nan"),
                              "cut_at_length": cut, "invalid_stop": invalid,
                              "tokens": sum(o.completion_tokens for o in outs),
-                             "tok_per_s": sum(o.completion_tokens for o in outs) / elapsed})
+                             "tok_per_s": sum(o.completion_tokens for o in outs) / elapsed,
+                             "steering_pct_of_time": 100 * spent[0] / elapsed})
         engine.shutdown()
     return rows
 

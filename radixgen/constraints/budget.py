@@ -68,6 +68,11 @@ class Completer:
         first = [c for c in self._chars if c[0] == '"']
         words = sorted((c for c in self._chars if c[0] in _ALNUM), key=lambda c: c[0].isdigit())
         self._text_order = first + words + [c for c in self._chars if c not in first and c not in words]
+        # between values, the separators come right after the closers: an array padded to
+        # minItems reads [1, 1], not [111.111, 111]
+        closers = [c for c in self._chars if c[0] in '"}]']
+        separators = [c for c in self._chars if c[0] in ", "]
+        self._chars = closers + separators + [c for c in self._chars if c not in closers and c not in separators]
         self._probe = next(t for ch, t in self._chars if ch == "a")
 
     def encode(self, text: str) -> tuple[int, ...]:

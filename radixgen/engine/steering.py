@@ -54,6 +54,11 @@ class BudgetState:
     in_string: bool = False
     escape: bool = False
     string_chars: int = 0
+    in_key: bool = False
+    """The open string is an object key: its text picks the property, so it changes the completion."""
+    containers: str = ""
+    """The open objects and arrays, outermost first ("{[{")."""
+    key_expected: bool = False
     disabled: bool = False
     """The completion's tokens were refused by the automaton: this request is not steered."""
     retry_below: float = float("inf")
@@ -65,20 +70,23 @@ class BudgetState:
 
     def reset(self, text: str) -> None:
         """Follow ``text`` from the start (after a rollback took the output back to it)."""
-        self.in_string, self.escape, self.string_chars = False, False, 0
+        self.in_string, self.escape, self.string_chars, self.in_key = False, False, 0, False
+        self.containers, self.key_expected = "", False
         self.dfa_state = self.dfa.initial if self.dfa is not None else None
         self.completion = None
         self.scan(text)
 
-    def snapshot(self) -> tuple[bool, bool, int, int | None]:
-        return self.in_string, self.escape, self.string_chars, self.dfa_state
+    def snapshot(self) -> tuple[bool, bool, int, bool, str, bool, int | None]:
+        return (self.in_string, self.escape, self.string_chars, self.in_key, self.containers, self.key_expected,
+                self.dfa_state)
 
-    def restore(self, saved: tuple[bool, bool, int, int | None]) -> None:
-        self.in_string, self.escape, self.string_chars, self.dfa_state = saved
+    def restore(self, saved: tuple[bool, bool, int, bool, str, bool, int | None]) -> None:
+        (self.in_string, self.escape, self.string_chars, self.in_key, self.containers, self.key_expected,
+         self.dfa_state) = saved
 
     def scan(self, text: str) -> bool:
         """Follow the text of one token; True when the completion may have changed (for JSON,
-        when the token touched structure: anything outside a string, or a quote)."""
+        when the token touched structure: anything outside a string value, or a quote)."""
         if self.dfa is not None:
             self.dfa_state = self.dfa.advance(self.dfa_state, text)
             return True
@@ -89,14 +97,28 @@ class BudgetState:
             if not self.in_string:
                 touched = True
                 if ch == '"':
+                    # a key opens right after "{" or after a comma inside an object
+                    self.in_key = self.containers.endswith("{") and self.key_expected
                     self.in_string, self.string_chars = True, 0
-            elif self.escape:
+                elif ch in "{[":
+                    self.containers += ch
+                    self.key_expected = ch == "{"
+                elif ch in "}]":
+                    self.containers = self.containers[:-1]
+                elif ch == ",":
+                    self.key_expected = True
+                elif ch == ":":
+                    self.key_expected = False
+                continue
+            touched = touched or self.in_key
+            if self.escape:
                 self.escape = False
                 self.string_chars += 1
             elif ch == "\\":
                 self.escape = True
             elif ch == '"':
                 self.in_string, touched = False, True
+                self.key_expected = False
             else:
                 self.string_chars += 1
         return touched
@@ -159,7 +181,7 @@ class BudgetSteering:
         before = state.completion
         saved = state.snapshot()
         text = self.token_text(token_id)
-        in_string_before = state.in_string
+        in_string_before = state.in_string and not state.in_key
         touched = state.scan(text)
         if tokens_left > state.retry_below:
             state.stale = state.stale or touched

@@ -178,3 +178,19 @@ def test_a_fault_applying_one_requests_result_fails_it_alone(make_engine: Callab
     assert outs[0].finish_reason is FinishReason.ERROR and "KeyError" in (outs[0].error or "")
     assert outs[1].finish_reason is FinishReason.LENGTH and len(outs[1].token_ids) == 5
     assert engine.generate("c", SamplingParams(max_new_tokens=3)).finish_reason is FinishReason.LENGTH
+
+
+def test_budget_state_treats_key_text_as_structure_and_value_text_not() -> None:
+    """Inside a value string the cheapest completion cannot change (the walk is skipped); inside a
+    key it can (the key picks the property whose value must follow), and so can anything outside
+    strings. A wrong reading here let an optional property's key pass unpriced."""
+    from radixgen.engine.steering import BudgetState
+
+    state = BudgetState(is_json=True)
+    steps = [('{"', True), ("name", True), ('": "', True), ("some words", False), (" more", False),
+             ('", "', True), ("tags", True), ('": ["', True), ("a", False), ('", "', True), ("b", False), ('"]', True)]
+    for text, touched in steps:
+        assert state.scan(text) is touched, text
+    assert state.containers == "{" and not state.in_string
+    state.reset('{"a": [{"b": "x')
+    assert state.containers == "{[{" and state.in_string and not state.in_key
