@@ -224,12 +224,12 @@ def budget_runs(dtype: str, budgets: list[int], seeds: int) -> list[dict[str, An
         if steer is not None:
             decide = steer.after_accept
 
-            def timed(*args: Any, _decide: Any = decide) -> Any:
+            def timed(*args: Any, _decide: Any = decide, _spent: list[float] = spent) -> Any:
                 start = time.perf_counter()
                 try:
                     return _decide(*args)
                 finally:
-                    spent[0] += time.perf_counter() - start
+                    _spent[0] += time.perf_counter() - start
 
             steer.after_accept = timed  # type: ignore[method-assign]
         for label, specs in (("api", API), ("real-world", REALWORLD)):
