@@ -119,7 +119,9 @@ class ServerConfig(EngineConfig):
     host: str = "127.0.0.1"
     """Loopback by default; binding elsewhere is an explicit choice."""
     port: int = 30000
-    served_model_name: str = field(default="SmolLM2-135M-Instruct")
+    served_model_name: str | None = None
+    """The name /v1/models reports and requests may give as ``model``; None: the model folder's
+    or GGUF file's name (SmolLM2-135M-Instruct for the bundled model)."""
     api_key: str | None = field(default=None, repr=False)
     """When set, every endpoint but /health needs 'Authorization: Bearer <key>'. The environment
     variable RADIXGEN_API_KEY is used when the flag is absent (keeps the key out of `ps`)."""

@@ -15,7 +15,7 @@ def _id(prefix: str) -> str:
 
 class _Request(BaseModel):
     # Unknown fields are refused by name (HTTP 400), as OpenAI does: silently ignoring a field
-    # such as logit_bias would return something other than what was asked for.
+    # that changes the output would return something other than what was asked for.
     model_config = ConfigDict(extra="forbid")
 
 
@@ -78,7 +78,15 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    """vLLM's and SGLang's field: EOS and stop token ids are masked until this many tokens."""
+    # Accepted and ignored: they do not change a text model's output (OpenAI's own fields for
+    # storage, tracking, billing tiers, and options of models this server does not run).
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -89,6 +97,19 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    """false: at most one call per answer. true or absent: OpenAI lets the model call several;
+    this server's answers carry one call (a valid answer under either)."""
+    functions: list[FunctionDef] | None = None
+    """The legacy form of tools (answered with message.function_call)."""
+    function_call: str | dict[str, Any] | None = None
+    # accepted and ignored (see SamplingFields): options of audio and reasoning models, and a
+    # predicted output (it only speeds up OpenAI's own decoding; the answer is the same)
+    modalities: list[Literal["text"]] | None = None
+    audio: None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
     regex: str | None = None
     choices: list[str] | None = None
 
@@ -147,6 +168,8 @@ class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    function_call: ToolCallFunction | None = None
+    """The legacy answer to a request with ``functions``."""
 
 
 class ChatChoice(BaseModel):
@@ -172,6 +195,7 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -62,6 +62,10 @@ class ToolPlan:
     mode: str = "none"
     tools: list[Tool] = field(default_factory=list)
     named: Tool | None = None
+    single: bool = False
+    """parallel_tool_calls=false: at most one call."""
+    legacy: bool = False
+    """The request used functions / function_call: answer with message.function_call."""
 
     @property
     def forced(self) -> bool:
@@ -75,7 +79,7 @@ class ToolPlan:
             return None, [forced_tool_call(self.mode, self.named, result.text)], "tool_calls"
         calls = parse_tool_calls(result.text, self.tools) if self.mode == "auto" else None
         if calls:
-            return None, calls, "tool_calls"
+            return None, calls[:1] if self.single or self.legacy else calls, "tool_calls"
         return result.text, None, result.finish_reason
 
 
@@ -84,8 +88,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     check_model(req, request)
     state = request.app.state
     client: EngineClient = state.client
+    legacy = req.functions is not None
+    if legacy:
+        req = _functions_as_tools(req)
     mode, named = tool_mode(req)
-    tools = ToolPlan(mode, list(req.tools or []), named)
+    tools = ToolPlan(mode, list(req.tools or []), named, single=req.parallel_tool_calls is False, legacy=legacy)
     constraint = constraint_fields(req)
     if tools.forced:
         if constraint:
@@ -102,7 +109,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
               for i in range(req.n)]
     base_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     jobs = [(f"{base_id}-{i}", prompt_ids, p) for i, p in enumerate(params)]
-    model = state.config.served_model_name
+    model = state.model_name
     started = time.perf_counter()
     if req.stream:
         return StreamingResponse(_chat_stream(request, req, tools, jobs, base_id, model, started),
@@ -113,10 +120,36 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     choices = []
     for i, r in enumerate(results):
         content, calls, reason = tools.finish(r)
-        choices.append(ChatChoice(index=i, message=ResponseMessage(content=content, tool_calls=calls), finish_reason=reason,
+        message = ResponseMessage(content=content, tool_calls=calls)
+        if legacy and calls:
+            message = ResponseMessage(content=content, function_call=calls[0].function)
+            reason = "function_call"
+        choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
                                   logprobs=token_logprobs(state.tokenizer, r, bool(top)) if req.logprobs else None,
                                   shortened=r.shortened or None))
     return ChatCompletionResponse(id=base_id, model=model, choices=choices, usage=usage(results))
+
+
+def _functions_as_tools(req: ChatCompletionRequest) -> ChatCompletionRequest:
+    """The legacy functions / function_call fields as tools / tool_choice."""
+    if req.tools is not None or req.tool_choice is not None:
+        raise InvalidParamsError("give tools and tool_choice, or the legacy functions and function_call, not both")
+    choice: Any = req.function_call
+    if isinstance(choice, dict):
+        if not isinstance(choice.get("name"), str):
+            raise InvalidParamsError("function_call must be 'none', 'auto' or {'name': ...}")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    return req.model_copy(update={"tools": [Tool(function=f) for f in req.functions or []], "tool_choice": choice,
+                                  "functions": None, "function_call": None})
+
+
+def _as_function_call(delta: DeltaMessage) -> DeltaMessage:
+    """A streamed tool-call delta in the legacy function_call form."""
+    if not delta.tool_calls:
+        return delta
+    function = delta.tool_calls[0].get("function") or {}
+    return DeltaMessage(role=delta.role, content=delta.content,
+                        function_call={k: function[k] for k in ("name", "arguments") if k in function})
 
 
 class _ChoiceStream:
@@ -210,6 +243,9 @@ async def _chat_stream(request: Request, req: ChatCompletionRequest, tools: Tool
                 deltas += extra
             if logprobs is not None and not deltas:
                 deltas = [DeltaMessage()]
+            if tools.legacy:
+                deltas = [_as_function_call(d) for d in deltas]
+                reason = "function_call" if reason == "tool_calls" else reason
             for n, d in enumerate(deltas):
                 last = n == len(deltas) - 1
                 yield chunk([ChatChunkChoice(index=i, delta=d, finish_reason=reason if last else None,

@@ -81,7 +81,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
                                   logprobs=req.logprobs is not None, top_logprobs=top, seed_offset=j,
                                   constraint=constraint)
             jobs.append((f"{base_id}-{p_index}-{j}", ids, params))
-    model = state.config.served_model_name
+    model = state.model_name
     started = time.perf_counter()
     if req.stream:
         return StreamingResponse(_completion_stream(request, req, jobs, base_id, model, started),
@@ -199,7 +199,7 @@ async def model_info(request: Request) -> dict[str, Any]:
         roles: dict[str, Any] | None = role_markers(state.tokenizer).to_json()
     except ValueError:  # a model without a chat template: no role blocks
         roles = None
-    return {"model": state.config.served_model_name, "max_context_len": state.client.info["max_context_len"],
+    return {"model": state.model_name, "max_context_len": state.client.info["max_context_len"],
             "chat_roles": roles}
 
 

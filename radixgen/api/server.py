@@ -11,6 +11,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,6 +26,7 @@ from radixgen.api.routes_chat import router as chat_router
 from radixgen.api.routes_completions import router as completions_router
 from radixgen.config import ServerConfig
 from radixgen.errors import EngineDeadError, OverloadedError, RadixgenError
+from radixgen.models.loader import DEFAULT_MODEL_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,17 @@ def error_response(status: int, message: str, *, kind: str = "invalid_request_er
                    headers: dict[str, str] | None = None) -> JSONResponse:
     body = ErrorResponse(error=ErrorBody(message=message, type=kind, param=param, code=status))
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def served_name(config: ServerConfig) -> str:
+    """What /v1/models calls the loaded model: --served-model-name, else its folder's or GGUF
+    file's name."""
+    if config.served_model_name:
+        return config.served_model_name
+    if config.model is None:
+        return DEFAULT_MODEL_NAME
+    name = Path(config.model).name
+    return name.removesuffix(".gguf") or config.model
 
 
 def status_of(exc: Exception) -> int:
@@ -53,8 +66,9 @@ def create_app(config: ServerConfig, *, client: EngineClient | None = None) -> F
         app.state.client = engine
         app.state.tokenizer = AutoTokenizer.from_pretrained(engine.info["model_path"])
         app.state.config = config
+        app.state.model_name = served_name(config)
         app.state.metrics = ServerMetrics()
-        logger.info("serving %s on http://%s:%d", config.served_model_name, config.host, config.port)
+        logger.info("serving %s on http://%s:%d", app.state.model_name, config.host, config.port)
         try:
             yield
         finally:
@@ -121,7 +135,7 @@ def create_app(config: ServerConfig, *, client: EngineClient | None = None) -> F
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
         engine: EngineClient = request.app.state.client
-        return ModelList(data=[ModelCard(id=config.served_model_name, max_model_len=engine.info.get("max_context_len"))])
+        return ModelList(data=[ModelCard(id=request.app.state.model_name, max_model_len=engine.info.get("max_context_len"))])
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

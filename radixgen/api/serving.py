@@ -53,8 +53,8 @@ def check_model(req: SamplingFields, request: Request) -> None:
     config = request.app.state.config
     if req.n > config.max_n:
         raise InvalidParamsError(f"n is {req.n}; the limit (max_n) is {config.max_n}")
-    name = config.served_model_name
-    if req.model is not None and req.model not in (name, "default"):
+    name = request.app.state.model_name
+    if req.model is not None and req.model not in (name, "default", config.model):
         raise HTTPException(404, f"model {req.model!r} does not exist here; available: {name!r}")
 
 
@@ -93,6 +93,13 @@ def build_params(req: SamplingFields, prompt_len: int, engine_info: dict[str, An
             f"(context {max_context}, max_context_len): lower max_tokens or shorten the prompt"
         )
     cap = engine_info.get("max_new_tokens_limit")
+    bias = None
+    if req.logit_bias:
+        try:
+            bias = {int(token): value for token, value in req.logit_bias.items()}
+        except ValueError:
+            raise InvalidParamsError("logit_bias keys must be token ids (integers as strings), "
+                                     f"got {sorted(req.logit_bias)[:3]}") from None
     return SamplingParams(
         max_new_tokens=max_tokens or (room if cap is None else min(room, cap)),
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -106,6 +113,8 @@ def build_params(req: SamplingFields, prompt_len: int, engine_info: dict[str, An
         stop=tuple([req.stop] if isinstance(req.stop, str) else req.stop or ()),
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
+        logit_bias=bias,
+        min_new_tokens=req.min_tokens,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         **(constraint or {}),

@@ -35,7 +35,7 @@ _CLOSERS = frozenset('"}],')
 # letters forever).
 _MAX_ALNUM_RUN = 3
 _MAX_COMPLETION_CHARS = 2048
-_MAX_WALK_STEPS = 4096
+_MAX_WALK_STEPS = 1024
 _ENCODE_CACHE_SIZE = 4096
 
 

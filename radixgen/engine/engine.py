@@ -140,7 +140,8 @@ class Engine:
         self._stopped = threading.Event()
         self._dead_reason: str | None = None
         self._active_ids: set[str] = set()
-        self._sampling_batches = SamplingBatchCache(self.model_config.vocab_size, self.runner.device)
+        self._sampling_batches = SamplingBatchCache(self.model_config.vocab_size, self.runner.device,
+                                                    tuple(self.model_config.eos_token_ids))
         self._aborted_while_compiling: set[str] = set()
         self._lock = threading.Lock()
         self._started.set()  # the loop may begin serving
@@ -351,6 +352,10 @@ class Engine:
             if spec.depth > self.config.max_schema_depth:
                 raise InvalidConstraintError(f"json_schema nests {spec.depth} levels deep; the limit (max_schema_depth) "
                                              f"is {self.config.max_schema_depth}")
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidParamsError(f"logit_bias names token {max(params.logit_bias)}; this model's token ids are "
+                                     f"below {vocab}")
         start = params.prompt_logprob_start
         if start is not None and start > len(prompt_ids):
             raise InvalidParamsError(

@@ -86,6 +86,12 @@ class SamplingParams:
     """Callbacks by JSON path ("$.price", "$.items[*].qty") run on each completed value; a False
     return or a ValueError rejects it: the request rolls back to the value's start and resamples."""
     max_validation_retries: int = 5
+    logit_bias: dict[int, float] | None = field(default=None, compare=False)
+    """Token id -> a value in [-100, 100] added to its logit before sampling (OpenAI's logit_bias;
+    -100 bans the token, 100 all but forces it). A constraint's mask still applies on top."""
+    min_new_tokens: int = 0
+    """EOS and the stop token ids are masked until this many tokens were generated (vLLM's and
+    SGLang's min_tokens). A constrained output ends when its automaton does, regardless."""
     prompt_logprob_start: int | None = None
     """Score the prompt too: return the log-probability of each prompt token from this index on,
     given the tokens before it (the DSL's ``select`` ranks choices with it). The prefix cache
@@ -168,6 +174,12 @@ class SamplingParams:
                or (isinstance(self.prompt_logprob_start, int) and self.prompt_logprob_start >= 1),
                "prompt_logprob_start", "None or an integer >= 1 (the first token has no context)",
                self.prompt_logprob_start)
+        _check(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+               "min_new_tokens", f"an integer in [0, max_new_tokens={self.max_new_tokens}]", self.min_new_tokens)
+        _check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            isinstance(k, int) and not isinstance(k, bool) and k >= 0 and isinstance(v, (int, float))
+            and math.isfinite(v) and -100 <= v <= 100 for k, v in self.logit_bias.items())),
+               "logit_bias", "a dict of token ids to numbers in [-100, 100]", self.logit_bias)
         _check(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
                "top_logprobs", f"an integer in [0, {MAX_TOP_LOGPROBS}]", self.top_logprobs)
 

@@ -58,9 +58,30 @@ class SamplingBatch:
     repetition: torch.Tensor | None  # [P]
     frequency: torch.Tensor | None  # [P]
     presence: torch.Tensor | None  # [P]
+    bias_index: tuple[torch.Tensor, torch.Tensor] | None = None  # ([N] batch rows, [N] token ids) of logit_bias
+    bias_values: torch.Tensor | None = None  # [N] float32
+    min_rows: np.ndarray | None = None  # [M] batch rows with a min_new_tokens not reached at build time
+    min_tokens: np.ndarray | None = None  # [M] their min_new_tokens
+    min_counters: np.ndarray | None = None  # [M] tokens generated so far (host copy of counters)
+    min_banned: list[torch.Tensor] | None = None  # per min row: EOS and its stop token ids
+
+    def mask_early_stops(self, logits: torch.Tensor) -> None:
+        """Rows below their min_new_tokens cannot pick EOS or a stop token id yet."""
+        if self.min_rows is None:
+            return
+        assert self.min_tokens is not None and self.min_counters is not None and self.min_banned is not None
+        for j in np.flatnonzero(self.min_counters < self.min_tokens).tolist():
+            logits[int(self.min_rows[j])].index_fill_(0, self.min_banned[j], float("-inf"))
+
+    def advance(self) -> None:
+        """Every request of the batch produced exactly one token since it was built."""
+        self.counters += 1
+        if self.min_counters is not None:
+            self.min_counters += 1
 
     @classmethod
-    def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
+    def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device,
+                      eos_token_ids: tuple[int, ...] = ()) -> SamplingBatch:
         params = [r.params for r in requests]
         temps = np.array([p.temperature for p in params], dtype=np.float32)
         top_p = np.array([p.top_p for p in params], dtype=np.float32)
@@ -77,6 +98,22 @@ class SamplingBatch:
         def pen(name: str) -> torch.Tensor:
             return tensor(np.array([getattr(params[i], name) for i in penalized], dtype=np.float32))
 
+        biased = [(i, t, v) for i, p in enumerate(params) if p.logit_bias for t, v in p.logit_bias.items()]
+        bias_index = bias_values = None
+        if biased:
+            rows_b, toks_b, vals_b = zip(*biased, strict=True)
+            bias_index = (tensor(np.array(rows_b, dtype=np.int64)), tensor(np.array(toks_b, dtype=np.int64)))
+            bias_values = tensor(np.array(vals_b, dtype=np.float32))
+        # min_new_tokens: unconstrained rows only (an automaton decides where its output ends)
+        short = [i for i, r in enumerate(requests)
+                 if r.params.min_new_tokens > len(r.output_ids) and r.matcher is None]
+        min_rows = min_tokens = min_counters = min_banned = None
+        if short:
+            min_rows = np.array(short, dtype=np.int64)
+            min_tokens = np.array([params[i].min_new_tokens for i in short], dtype=np.int64)
+            min_counters = np.array([len(requests[i].output_ids) for i in short], dtype=np.int64)
+            min_banned = [tensor(np.array(sorted(set(eos_token_ids) | set(params[i].stop_token_ids)), dtype=np.int64))
+                          for i in short]
         return cls(
             temperatures=tensor(temps),
             top_p=tensor(top_p),
@@ -95,22 +132,24 @@ class SamplingBatch:
             repetition=pen("repetition_penalty") if penalized else None,
             frequency=pen("frequency_penalty") if penalized else None,
             presence=pen("presence_penalty") if penalized else None,
+            bias_index=bias_index, bias_values=bias_values,
+            min_rows=min_rows, min_tokens=min_tokens, min_counters=min_counters, min_banned=min_banned,
         )
 
 
 class SamplingBatchCache:
     """Reuses a decode batch's sampling tensors while the batch is unchanged."""
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.vocab_size, self.device = vocab_size, device
+    def __init__(self, vocab_size: int, device: torch.device, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.vocab_size, self.device, self.eos_token_ids = vocab_size, device, tuple(eos_token_ids)
         self._cached: tuple[int, SamplingBatch] | None = None
 
     def get(self, plan: StepPlan) -> SamplingBatch:
         cached = self._cached
         if plan.batch_version is not None and cached is not None and cached[0] == plan.batch_version:
-            cached[1].counters += 1  # every request produced exactly one token since
+            cached[1].advance()  # every request produced exactly one token since
             return cached[1]
-        batch = SamplingBatch.from_requests(plan.requests, self.vocab_size, self.device)
+        batch = SamplingBatch.from_requests(plan.requests, self.vocab_size, self.device, self.eos_token_ids)
         self._cached = (plan.batch_version, batch) if plan.batch_version is not None else None
         return batch
 
@@ -180,6 +219,10 @@ class Sampler:
         """Choose one token per row of float32 ``logits`` [B, vocab] (modified in place), only
         among the tokens ``bitmask`` [B, vocab/32] allows when given."""
         self.penalties.apply(logits, batch)
+        if batch.bias_index is not None:
+            assert batch.bias_values is not None
+            logits.index_put_(batch.bias_index, batch.bias_values, accumulate=True)
+        batch.mask_early_stops(logits)
         if bitmask is not None:
             apply_bitmask(logits, bitmask)
         token_ids = logits.argmax(dim=-1)

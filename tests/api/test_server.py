@@ -121,7 +121,13 @@ def test_logprobs(server: LiveServer) -> None:
         (json.dumps({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
                      "tool_choice": {"type": "function", "function": {"name": "g"}}}), 400, "not in tools"),
         (json.dumps({"messages": CHAT, "n": 0}), 400, "n"),
-        (json.dumps({"messages": CHAT, "logit_bias": {"50": 10}}), 400, "'logit_bias' is not supported"),
+        (json.dumps({"messages": CHAT, "web_search_options": {}}), 400, "'web_search_options' is not supported"),
+        (json.dumps({"messages": CHAT, "logit_bias": {"x": 10}}), 400, "logit_bias keys must be token ids"),
+        (json.dumps({"messages": CHAT, "logit_bias": {"50": 101}}), 400, "logit_bias"),
+        (json.dumps({"messages": CHAT, "max_tokens": 4, "min_tokens": 5}), 400, "min_new_tokens"),
+        (json.dumps({"messages": CHAT, "modalities": ["text", "audio"]}), 400, "modalities"),
+        (json.dumps({"messages": CHAT, "functions": [{"name": "f"}], "tools": [{"type": "function", "function": {"name": "f"}}]}),
+         400, "not both"),
         (json.dumps({"messages": CHAT, "n": 17}), 400, "max_n"),
         (json.dumps({"messages": [{"role": "user", "content": "x" * (5 * 2**20)}]}), 413, "max_request_bytes"),
     ],
@@ -358,3 +364,73 @@ def test_json_finishes_within_max_tokens_and_a_budget_too_small_is_a_400(server:
                                   response_format=fmt)  # type: ignore[call-overload]
     stats = server.wait_idle()
     assert stats["active_requests"] == 0 and stats["held_by_requests"] == 0
+
+
+
+def _greedy_tokens(server: LiveServer, prompt: str, n: int, **sampling: object) -> list[int]:
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0, **sampling}}
+    return httpx.post(server.url + "/generate", json=body, timeout=60).json()["token_ids"]
+
+
+def test_logit_bias_bans_and_forces_tokens(server: LiveServer) -> None:
+    c = client(server)
+    greedy_ids = _greedy_tokens(server, "Count:", 6)
+    greedy = c.completions.create(model="tiny", prompt="Count:", max_tokens=6, temperature=0, logprobs=0)
+    greedy_texts = greedy.choices[0].logprobs.tokens
+    assert len(greedy_texts) == 6
+    banned = c.completions.create(model="tiny", prompt="Count:", max_tokens=6, temperature=0, logprobs=0,
+                                  logit_bias={str(t): -100 for t in greedy_ids})
+    assert not set(banned.choices[0].logprobs.tokens) & set(greedy_texts), "a token biased by -100 never appears"
+    forced = c.completions.create(model="tiny", prompt="Count:", max_tokens=5, temperature=1.0, seed=3, logprobs=0,
+                                  logit_bias={str(greedy_ids[0]): 100})
+    assert forced.choices[0].logprobs.tokens == [greedy_texts[0]] * 5
+
+
+def test_min_tokens_masks_stops_until_reached(server: LiveServer) -> None:
+    first = _greedy_tokens(server, "Count:", 1)[0]
+    stopped = httpx.post(server.url + "/v1/completions", json={
+        "prompt": "Count:", "max_tokens": 8, "temperature": 0, "stop_token_ids": [first]}).json()
+    assert stopped["usage"]["completion_tokens"] <= 1
+    resp = client(server).completions.create(model="tiny", prompt="Count:", max_tokens=8, temperature=0,
+                                             extra_body={"stop_token_ids": [first], "min_tokens": 5})
+    assert resp.usage.completion_tokens >= 5
+
+
+def test_legacy_functions_and_ignored_fields(server: LiveServer) -> None:
+    import jsonschema
+
+    c = client(server)
+    functions = [t["function"] for t in TOOLS]
+    resp = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, functions=functions,
+                                     function_call={"name": "paint"})
+    choice = resp.choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.function_call.name == "paint"
+    jsonschema.validate(json.loads(choice.message.function_call.arguments), COLOR)
+    pieces, names = [], []
+    for chunk in c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, functions=functions,
+                                           function_call={"name": "paint"}, stream=True):
+        for ch in chunk.choices:
+            if ch.delta.function_call is not None:
+                names += [ch.delta.function_call.name] if ch.delta.function_call.name else []
+                pieces.append(ch.delta.function_call.arguments or "")
+    assert names == ["paint"] and "".join(pieces) == choice.message.function_call.arguments
+    plain = c.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=40, store=True, metadata={"team": "a"}, service_tier="auto", user="u1",
+        modalities=["text"], reasoning_effort="low", prediction={"type": "content", "content": "1 2 3"},
+        parallel_tool_calls=False, tools=TOOLS, tool_choice="required")
+    assert len(plain.choices[0].message.tool_calls or []) <= 1
+
+
+def test_served_model_name_follows_the_model() -> None:
+    from radixgen.api.server import served_name
+    from radixgen.config import ServerConfig
+
+    assert served_name(ServerConfig()) == "SmolLM2-135M-Instruct"
+    assert served_name(ServerConfig(model="/models/Qwen3-0.6B/")) == "Qwen3-0.6B"
+    assert served_name(ServerConfig(model="/models/llama-3.2-1b-q4_k_m.gguf")) == "llama-3.2-1b-q4_k_m"
+    assert served_name(ServerConfig(model="/models/x", served_model_name="prod")) == "prod"
+
+
+def test_a_request_may_name_the_model_by_its_path(server: LiveServer, tiny_model_dir: object) -> None:
+    resp = client(server).chat.completions.create(model=str(tiny_model_dir), messages=CHAT, max_tokens=2)
+    assert resp.model == "tiny"
