@@ -402,13 +402,13 @@ def test_legacy_functions_and_ignored_fields(server: LiveServer) -> None:
     c = client(server)
     functions = [t["function"] for t in TOOLS]
     resp = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, functions=functions,
-                                     function_call={"name": "paint"})
+                                     function_call={"name": "paint"}, temperature=0)
     choice = resp.choices[0]
     assert choice.finish_reason == "function_call" and choice.message.function_call.name == "paint"
     jsonschema.validate(json.loads(choice.message.function_call.arguments), COLOR)
     pieces, names = [], []
     for chunk in c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, functions=functions,
-                                           function_call={"name": "paint"}, stream=True):
+                                           function_call={"name": "paint"}, temperature=0, stream=True):
         for ch in chunk.choices:
             if ch.delta.function_call is not None:
                 names += [ch.delta.function_call.name] if ch.delta.function_call.name else []
