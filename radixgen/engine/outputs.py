@@ -62,6 +62,7 @@ class OutputProcessor:
             steer = self.steering.after_accept(req, token, self._tokens_left(req))
         if steer is not None:
             self.replaced_samples.append(req)  # the sampler counted the replaced token for penalties
+            req.sample_override = None  # the sample it described is not kept
             tokens = steer.token_ids
             forced_from = 0
         else:
