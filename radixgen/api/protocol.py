@@ -123,6 +123,36 @@ class CompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
 
 
+class ResponsesRequest(_Request):
+    """OpenAI's Responses API request (POST /v1/responses); items stay plain dicts, checked where
+    they are read (routes_responses.input_messages)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    stream: bool = False
+    store: bool = True
+    # accepted and ignored: they do not change a text model's output
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    background: Literal[False] | None = None
+
+
 class GenerateRequest(_Request):
     """radixgen's native endpoint (used by the DSL's Endpoint backend)."""
 

@@ -83,8 +83,17 @@ class ToolPlan:
         return result.text, None, result.finish_reason
 
 
-@router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
+@dataclass
+class ChatPlan:
+    """A chat request turned into engine jobs (shared by /v1/chat/completions and /v1/responses)."""
+
+    tools: ToolPlan
+    jobs: list[tuple[str, list[int], SamplingParams]]
+    base_id: str
+    model: str
+
+
+def plan_chat(req: ChatCompletionRequest, request: Request, *, id_prefix: str = "chatcmpl") -> ChatPlan:
     check_model(req, request)
     state = request.app.state
     client: EngineClient = state.client
@@ -107,9 +116,18 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     params = [build_params(req, len(prompt_ids), client.info, max_tokens=max_tokens,
                            logprobs=req.logprobs, top_logprobs=top, seed_offset=i, constraint=constraint)
               for i in range(req.n)]
-    base_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    base_id = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
     jobs = [(f"{base_id}-{i}", prompt_ids, p) for i, p in enumerate(params)]
-    model = state.model_name
+    return ChatPlan(tools, jobs, base_id, state.model_name)
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
+    plan = plan_chat(req, request)
+    state = request.app.state
+    client: EngineClient = state.client
+    tools, jobs, base_id, model = plan.tools, plan.jobs, plan.base_id, plan.model
+    legacy, top = tools.legacy, req.top_logprobs or 0
     started = time.perf_counter()
     if req.stream:
         return StreamingResponse(_chat_stream(request, req, tools, jobs, base_id, model, started),
@@ -152,7 +170,7 @@ def _as_function_call(delta: DeltaMessage) -> DeltaMessage:
                         function_call={k: function[k] for k in ("name", "arguments") if k in function})
 
 
-class _ChoiceStream:
+class ChoiceStream:
     """Turns one choice's text deltas into chat deltas: content, or tool-call fragments.
 
     A named tool streams its arguments as they come; a 'required' call (the name is inside the
@@ -213,7 +231,7 @@ async def _chat_stream(request: Request, req: ChatCompletionRequest, tools: Tool
     state = request.app.state
     created = int(time.time())
     results = [ChoiceResult() for _ in jobs]
-    streams = [_ChoiceStream(i, tools) for i in range(len(jobs))]
+    streams = [ChoiceStream(i, tools) for i in range(len(jobs))]
     last_token_at: list[float | None] = [None] * len(jobs)
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:

@@ -24,6 +24,8 @@ from radixgen.api.metrics import ServerMetrics
 from radixgen.api.protocol import ErrorBody, ErrorResponse, ModelCard, ModelList
 from radixgen.api.routes_chat import router as chat_router
 from radixgen.api.routes_completions import router as completions_router
+from radixgen.api.routes_responses import ConversationStore
+from radixgen.api.routes_responses import router as responses_router
 from radixgen.config import ServerConfig
 from radixgen.errors import EngineDeadError, OverloadedError, RadixgenError
 from radixgen.models.loader import DEFAULT_MODEL_NAME
@@ -67,6 +69,7 @@ def create_app(config: ServerConfig, *, client: EngineClient | None = None) -> F
         app.state.tokenizer = AutoTokenizer.from_pretrained(engine.info["model_path"])
         app.state.config = config
         app.state.model_name = served_name(config)
+        app.state.responses = ConversationStore()
         app.state.metrics = ServerMetrics()
         logger.info("serving %s on http://%s:%d", app.state.model_name, config.host, config.port)
         try:
@@ -77,6 +80,7 @@ def create_app(config: ServerConfig, *, client: EngineClient | None = None) -> F
     app = FastAPI(title="radixgen", version="0.1.0", lifespan=lifespan)
     app.include_router(chat_router)
     app.include_router(completions_router)
+    app.include_router(responses_router)
 
     api_key = config.api_key or os.environ.get("RADIXGEN_API_KEY") or None
 

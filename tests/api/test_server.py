@@ -434,3 +434,48 @@ def test_served_model_name_follows_the_model() -> None:
 def test_a_request_may_name_the_model_by_its_path(server: LiveServer, tiny_model_dir: object) -> None:
     resp = client(server).chat.completions.create(model=str(tiny_model_dir), messages=CHAT, max_tokens=2)
     assert resp.model == "tiny"
+
+
+def test_responses_api_through_the_openai_client(server: LiveServer) -> None:
+    """create, stream and parse; a two-turn conversation through previous_response_id whose second
+    turn is served from the cache; a function-call round trip; an unknown id is a 404."""
+    import jsonschema
+    from pydantic import BaseModel
+
+    c = client(server)
+    first = c.responses.create(model="tiny", input="Count to five.", instructions="You are terse.",
+                               max_output_tokens=12, temperature=0)
+    assert first.status in ("completed", "incomplete") and first.output[0].type == "message"
+    assert first.usage is not None and first.usage.output_tokens == 12 and first.status == "incomplete"
+    # instructions are not carried over (OpenAI's rule): a client sends them again
+    second = c.responses.create(model="tiny", input="And back to one.", previous_response_id=first.id,
+                                instructions="You are terse.", max_output_tokens=6, temperature=0)
+    assert second.usage is not None and second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    with pytest.raises(openai.NotFoundError, match="unknown or expired"):
+        c.responses.create(model="tiny", input="x", previous_response_id="resp-nope", max_output_tokens=2)
+
+    with c.responses.stream(model="tiny", input="Count to five.", instructions="You are terse.", max_output_tokens=12,
+                            temperature=0) as stream:
+        events = list(stream)
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    # cut at max_output_tokens: OpenAI's stream then ends with response.incomplete, not completed
+    (final,) = [e.response for e in events if e.type == "response.incomplete"]
+    assert "".join(deltas) == final.output_text == first.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+    class Paint(BaseModel):
+        color: str
+        ok: bool
+
+    parsed = c.responses.parse(model="tiny", input="Paint something.", text_format=Paint, max_output_tokens=40)
+    assert isinstance(parsed.output_parsed, Paint)
+
+    tool = {"type": "function", "name": "paint", "description": "Paint a wall", "parameters": COLOR, "strict": True}
+    called = c.responses.create(model="tiny", input="Paint the wall.", tools=[tool], max_output_tokens=40,
+                                tool_choice={"type": "function", "name": "paint"})
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "paint"
+    jsonschema.validate(json.loads(call.arguments), COLOR)
+    answered = c.responses.create(model="tiny", previous_response_id=called.id, max_output_tokens=8, tools=[tool],
+                                  input=[{"type": "function_call_output", "call_id": call.call_id, "output": "done"}])
+    assert answered.output and answered.usage is not None and answered.usage.input_tokens_details.cached_tokens > 0
