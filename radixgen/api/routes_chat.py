@@ -93,7 +93,7 @@ class ChatPlan:
     model: str
 
 
-def plan_chat(req: ChatCompletionRequest, request: Request, *, id_prefix: str = "chatcmpl") -> ChatPlan:
+async def plan_chat(req: ChatCompletionRequest, request: Request, *, id_prefix: str = "chatcmpl") -> ChatPlan:
     check_model(req, request)
     state = request.app.state
     client: EngineClient = state.client
@@ -108,7 +108,8 @@ def plan_chat(req: ChatCompletionRequest, request: Request, *, id_prefix: str = 
             raise InvalidParamsError("a forced tool call (tool_choice required or named) cannot be combined with "
                                      "response_format, regex or choices")
         constraint = {"json_schema": tool_call_schema(mode, tools.tools, named)}
-    prompt_ids = chat_prompt_ids(state.tokenizer, req, mode)
+    # templating and tokenising a long prompt must not stall the streams this loop serves
+    prompt_ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, req, mode)
     max_tokens = req.max_completion_tokens or req.max_tokens
     top = req.top_logprobs or 0
     if top and not req.logprobs:
@@ -123,7 +124,7 @@ def plan_chat(req: ChatCompletionRequest, request: Request, *, id_prefix: str = 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
-    plan = plan_chat(req, request)
+    plan = await plan_chat(req, request)
     state = request.app.state
     client: EngineClient = state.client
     tools, jobs, base_id, model = plan.tools, plan.jobs, plan.base_id, plan.model
@@ -143,7 +144,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
             message = ResponseMessage(content=content, function_call=calls[0].function)
             reason = "function_call"
         choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
-                                  logprobs=token_logprobs(state.tokenizer, r, bool(top)) if req.logprobs else None,
+                                  logprobs=token_logprobs(state.tokenizer, r, bool(top), state.token_bytes) if req.logprobs else None,
                                   shortened=r.shortened or None))
     return ChatCompletionResponse(id=base_id, model=model, choices=choices, usage=usage(results))
 
@@ -253,7 +254,7 @@ async def _chat_stream(request: Request, req: ChatCompletionRequest, tools: Tool
             if req.logprobs and out.new_token_ids:
                 part = ChoiceResult(token_ids=out.new_token_ids, logprobs=out.new_logprobs or [],
                                     top_logprobs=out.new_top_logprobs or [])
-                logprobs = token_logprobs(state.tokenizer, part, bool(req.top_logprobs))
+                logprobs = token_logprobs(state.tokenizer, part, bool(req.top_logprobs), state.token_bytes)
             deltas = streams[i].delta(out.new_text)
             reason = None
             if out.finished:

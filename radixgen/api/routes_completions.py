@@ -44,6 +44,13 @@ router = APIRouter()
 # ---- /v1/completions ----------------------------------------------------------------------
 
 
+def _text_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float],
+                   top_logprobs: list[list[tuple[int, float]]]) -> dict[str, Any]:
+    """The legacy completions logprobs object for some tokens."""
+    return {"tokens": [tokenizer.decode([t]) for t in token_ids], "token_logprobs": logprobs,
+            "top_logprobs": [{tokenizer.decode([t]): v for t, v in tops} for tops in top_logprobs] or None}
+
+
 def _completion_prompts(tokenizer: Any, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -71,7 +78,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     constraint = constraint_fields(req)
     state = request.app.state
     client: EngineClient = state.client
-    prompts = _completion_prompts(state.tokenizer, req.prompt)
+    prompts = await asyncio.to_thread(_completion_prompts, state.tokenizer, req.prompt)  # off the event loop
     top = req.logprobs or 0
     jobs = []
     base_id = f"cmpl-{uuid.uuid4().hex[:24]}"
@@ -94,8 +101,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
         text = (state.tokenizer.decode(ids) + r.text) if req.echo else r.text
         lp = None
         if req.logprobs is not None:
-            lp = {"tokens": [state.tokenizer.decode([t]) for t in r.token_ids], "token_logprobs": r.logprobs,
-                  "top_logprobs": [{state.tokenizer.decode([t]): v for t, v in tops} for tops in r.top_logprobs] or None}
+            lp = _text_logprobs(state.tokenizer, r.token_ids, r.logprobs, r.top_logprobs)
         choices.append(CompletionChoice(index=i, text=text, finish_reason=r.finish_reason, logprobs=lp,
                                         shortened=r.shortened or None))
     usage = Usage(prompt_tokens=sum(len(ids) for ids in prompts), completion_tokens=sum(len(r.token_ids) for r in results),
@@ -123,7 +129,9 @@ async def _completion_stream(request: Request, req: CompletionRequest, jobs: lis
                 yield sse({"id": base_id, "object": "text_completion", "created": created, "model": model,
                             "choices": [{"index": i, "text": out.new_text,
                                          "finish_reason": results[i].finish_reason if out.finished else None,
-                                         "logprobs": None,
+                                         "logprobs": _text_logprobs(state.tokenizer, out.new_token_ids,
+                                                                    out.new_logprobs or [], out.new_top_logprobs or [])
+                                         if req.logprobs is not None and out.new_token_ids else None,
                                          **({"shortened": True} if out.finished and results[i].shortened else {})}]})
         if req.stream_options is not None and req.stream_options.include_usage:
             prompt = sum(len(ids) for _, ids, _ in jobs[:: max(req.n, 1)])

@@ -195,7 +195,7 @@ def _remember(request: Request, req: ResponsesRequest, history: list[dict[str, A
 async def create_response(req: ResponsesRequest, request: Request) -> Any:
     store: ConversationStore = request.app.state.responses
     history = (list(store.get(req.previous_response_id)) if req.previous_response_id else []) + input_messages(req)
-    plan = plan_chat(as_chat_request(req, history), request, id_prefix="resp")
+    plan = await plan_chat(as_chat_request(req, history), request, id_prefix="resp")
     created = time.time()
     started = time.perf_counter()
     message_id = f"msg-{uuid.uuid4().hex[:24]}"

@@ -26,6 +26,7 @@ from radixgen.api.routes_chat import router as chat_router
 from radixgen.api.routes_completions import router as completions_router
 from radixgen.api.routes_responses import ConversationStore
 from radixgen.api.routes_responses import router as responses_router
+from radixgen.api.serving import TokenBytes
 from radixgen.config import ServerConfig
 from radixgen.errors import EngineDeadError, OverloadedError, RadixgenError
 from radixgen.models.loader import DEFAULT_MODEL_NAME
@@ -70,6 +71,7 @@ def create_app(config: ServerConfig, *, client: EngineClient | None = None) -> F
         app.state.config = config
         app.state.model_name = served_name(config)
         app.state.responses = ConversationStore()
+        app.state.token_bytes = TokenBytes(app.state.tokenizer)
         app.state.metrics = ServerMetrics()
         logger.info("serving %s on http://%s:%d", app.state.model_name, config.host, config.port)
         try:

@@ -189,15 +189,33 @@ async def run_jobs(request: Request, client: EngineClient, jobs: list[Job], endp
     return results
 
 
-def token_logprobs(tokenizer: Any, result: ChoiceResult, with_top: bool) -> ChoiceLogprobs:
+class TokenBytes:
+    """Each token's own bytes (xgrammar's decoded vocabulary: byte-level BPE and byte-fallback
+    tokens read as the bytes they stand for). Decoding one token to text and encoding it again
+    gave U+FFFD's bytes for a token holding part of a UTF-8 character. Built on first use (~1 s)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._vocab: list[bytes] | None = None
+
+    def __call__(self, token_id: int) -> list[int]:
+        if self._vocab is None:
+            import xgrammar
+
+            self._vocab = list(xgrammar.TokenizerInfo.from_huggingface(self.tokenizer).decoded_vocab)
+        if 0 <= token_id < len(self._vocab):
+            return list(self._vocab[token_id])
+        return list(self.tokenizer.decode([token_id]).encode())
+
+
+def token_logprobs(tokenizer: Any, result: ChoiceResult, with_top: bool, token_bytes: TokenBytes) -> ChoiceLogprobs:
     content = []
     for i, (tok, lp) in enumerate(zip(result.token_ids, result.logprobs, strict=False)):
-        text = tokenizer.decode([tok])
         tops = []
         if with_top and i < len(result.top_logprobs):
-            tops = [TopLogprob(token=tokenizer.decode([t]), logprob=v, bytes=list(tokenizer.decode([t]).encode()))
+            tops = [TopLogprob(token=tokenizer.decode([t]), logprob=v, bytes=token_bytes(t))
                     for t, v in result.top_logprobs[i]]
-        content.append(TokenLogprob(token=text, logprob=lp, bytes=list(text.encode()), top_logprobs=tops))
+        content.append(TokenLogprob(token=tokenizer.decode([tok]), logprob=lp, bytes=token_bytes(tok), top_logprobs=tops))
     return ChoiceLogprobs(content=content)
 
 

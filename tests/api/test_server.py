@@ -479,3 +479,21 @@ def test_responses_api_through_the_openai_client(server: LiveServer) -> None:
     answered = c.responses.create(model="tiny", previous_response_id=called.id, max_output_tokens=8, tools=[tool],
                                   input=[{"type": "function_call_output", "call_id": call.call_id, "output": "done"}])
     assert answered.output and answered.usage is not None and answered.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_logprob_bytes_are_the_tokens_own_and_completion_streams_carry_logprobs(server: LiveServer) -> None:
+    """Token 111 of SmolLM2's vocabulary is the lone byte 0xA1 (part of a UTF-8 character): its
+    text decodes to U+FFFD, its bytes must still be [161]. Forced with logit_bias."""
+    c = client(server)
+    resp = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, temperature=0, logprobs=True,
+                                     top_logprobs=2, logit_bias={"111": 100})
+    first = resp.choices[0].logprobs.content[0]
+    assert first.bytes == [0xA1] and first.top_logprobs[0].bytes == [0xA1]
+    pieces = []
+    for chunk in c.completions.create(model="tiny", prompt="Count:", max_tokens=5, temperature=0, logprobs=1, stream=True):
+        lp = chunk.choices[0].logprobs
+        if lp is not None:
+            pieces.append((lp.tokens, lp.token_logprobs))
+    whole = c.completions.create(model="tiny", prompt="Count:", max_tokens=5, temperature=0, logprobs=1).choices[0].logprobs
+    assert [t for tokens, _ in pieces for t in tokens] == whole.tokens
+    assert [v for _, values in pieces for v in values] == pytest.approx(whole.token_logprobs)
