@@ -103,8 +103,9 @@ class Completer:
                     text = "".join(piece for _, piece, _ in steps)
                     return Completion(text, self.encode(text))
                 forced = matcher.forced_string()
-                if forced and self._accept_all(matcher, self.encode(forced)):
-                    steps.append((len(self.encode(forced)), forced, None))
+                forced_ids = self.encode(forced) if forced else ()
+                if forced_ids and self._accept_all(matcher, forced_ids):
+                    steps.append((len(forced_ids), forced, None))
                     size += len(forced)
                     continue
                 run = 0
@@ -171,6 +172,7 @@ class Completer:
         for ch, t in order:
             if ch not in finishing and matcher.accept(t):
                 yield ch
+
 
 class RegexCompletions:
     """Exact shortest completions of a regex (or a choice list) from every state of its DFA.

@@ -294,17 +294,20 @@ class Validation:
         self.scanner = JsonScanner()
         self._items = {}
         for value in self.scanner.feed(text):
-            self._remember(value)
+            if value.path and isinstance(value.path[-1], int):
+                self._items.setdefault(value.path[:-1], []).append(json.dumps(value.value, sort_keys=True))
 
     def feed(self, text: str, *, final: bool = False) -> Rejection | None:
         done = self.scanner.feed(text)
         if final:
             done += self.scanner.finish()
         for value in done:
-            repeated = self._repeats(value)
-            if repeated is not None:
-                return Rejection(value.path, value.start, repeated, isinstance(value.value, str))
-            self._remember(value)
+            if value.path and isinstance(value.path[-1], int):  # an array item
+                canonical = json.dumps(value.value, sort_keys=True)
+                repeated = self._repeats(value, canonical)
+                if repeated is not None:
+                    return Rejection(value.path, value.start, repeated, isinstance(value.value, str))
+                self._items.setdefault(value.path[:-1], []).append(canonical)
             try:
                 reason = self._check(value)
             except UserValidatorError as e:
@@ -313,20 +316,13 @@ class Validation:
                 return Rejection(value.path, value.start, reason, isinstance(value.value, str))
         return None
 
-    def _remember(self, value: CompletedValue) -> None:
-        if value.path and isinstance(value.path[-1], int):
-            self._items.setdefault(value.path[:-1], []).append(json.dumps(value.value, sort_keys=True))
-
-    def _repeats(self, value: CompletedValue) -> str | None:
+    def _repeats(self, value: CompletedValue, canonical: str) -> str | None:
         """Why an array item is refused as a repeat of an earlier item of its array, or None.
         "unique" refuses repeats only in arrays whose schema sets uniqueItems (where a repeat
         is invalid anyway, so this only catches it an item earlier than the array's own check);
         "all" refuses them in every array (the loop small models fall into), which changes what
         a schema that allows duplicates can produce; "off" never."""
-        if self.repeated_items == "off" or not value.path or not isinstance(value.path[-1], int):
-            return None
-        earlier = self._items.get(value.path[:-1])
-        if not earlier or json.dumps(value.value, sort_keys=True) not in earlier:
+        if self.repeated_items == "off" or canonical not in self._items.get(value.path[:-1], ()):
             return None
         if self.repeated_items == "unique":
             array = resolve_subschema(self.schema.root, value.path[:-1]) if self.schema is not None else None

@@ -5,7 +5,6 @@ Follows JSON Schema closely (it rejects what it cannot enforce rather than ignor
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import numpy as np
@@ -99,7 +98,7 @@ class LLGuidanceBackend(GrammarBackend):
         if spec.kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(spec.value)
         elif spec.kind == "choices":
-            grammar = llguidance.LLMatcher.grammar_from_regex("(" + "|".join(re.escape(c) for c in spec.choices()) + ")")
+            grammar = llguidance.LLMatcher.grammar_from_regex(spec.pattern())
         else:
             schema = grammar_schema(spec.schema(), self.options) if spec.kind == "json_schema" else {"type": "object"}
             grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)

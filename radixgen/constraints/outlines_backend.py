@@ -120,10 +120,8 @@ class OutlinesBackend(GrammarBackend):
 
     def compile(self, spec: ConstraintSpec) -> Grammar:
         try:
-            if spec.kind == "regex":
-                regex = spec.value
-            elif spec.kind == "choices":
-                regex = "(" + "|".join(re.escape(c) for c in spec.choices()) + ")"
+            if spec.kind in ("regex", "choices"):
+                regex = spec.pattern()
             else:
                 schema = grammar_schema(spec.schema(), self.options) if spec.kind == "json_schema" else {"type": "object"}
                 regex = build_regex_from_schema(json.dumps(schema), _WHITESPACE)

@@ -63,6 +63,11 @@ class ConstraintSpec:
         assert self.kind == "choices"
         return json.loads(self.value)
 
+    def pattern(self) -> str:
+        """The regex a regex or choices spec stands for (choices: an alternation of the literals)."""
+        assert self.kind in ("regex", "choices")
+        return self.value if self.kind == "regex" else "(" + "|".join(re.escape(c) for c in self.choices()) + ")"
+
 
 def regex_spec(pattern: str) -> ConstraintSpec:
     """Check a regex with interegular (syntax, non-empty language) before any backend sees it."""

@@ -4,7 +4,6 @@ and validators, the step's bitmask, and checking jump-forward's forced tokens.""
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -98,12 +97,11 @@ class ConstrainedDecoding:
             return cached
         dfa = None
         if spec.kind in ("regex", "choices"):
-            pattern = spec.value if spec.kind == "regex" else "(" + "|".join(re.escape(c) for c in spec.choices()) + ")"
             try:
-                dfa = RegexCompletions(pattern)
+                dfa = RegexCompletions(spec.pattern())
             except Exception:  # noqa: BLE001 - interegular cannot read it: walk the matcher instead
                 logger.debug("no DFA for %s; budget completions walk the matcher", spec.kind)
-        cached = self._shortest[spec.key] = (self.steering.shortest(spec, matcher, dfa), dfa)
+        cached = self._shortest[spec.key] = (self.steering.shortest(matcher, dfa), dfa)
         if len(self._shortest) > _SHORTEST_CACHE_SIZE:
             self._shortest.popitem(last=False)
         return cached

@@ -144,18 +144,19 @@ class BudgetSteering:
         req.budget = BudgetState(is_json=spec.kind in ("json_schema", "json_object"), completion=shortest, dfa=dfa,
                                  dfa_state=dfa.initial if dfa is not None else None)
 
-    def shortest(self, spec: ConstraintSpec, matcher: Matcher, dfa: RegexCompletions | None) -> Completion | None:
+    def shortest(self, matcher: Matcher, dfa: RegexCompletions | None) -> Completion | None:
         """The shortest complete output of a fresh request."""
-        if dfa is not None:
-            text = dfa.completion(dfa.initial)
-            return Completion(text, self.completer.encode(text)) if text is not None else None
-        return self.completer.complete(matcher)
+        return self._completion(matcher, dfa, dfa.initial if dfa is not None else None)
 
     def _complete(self, state: BudgetState, matcher: Matcher) -> Completion | None:
-        if state.dfa is not None:
-            text = state.dfa.completion(state.dfa_state)
-            return Completion(text, self.completer.encode(text)) if text is not None else None
-        return self.completer.complete(matcher)
+        return self._completion(matcher, state.dfa, state.dfa_state)
+
+    def _completion(self, matcher: Matcher, dfa: RegexCompletions | None, dfa_state: int | None) -> Completion | None:
+        """From the DFA's exact table where there is one, else by walking the matcher."""
+        if dfa is None:
+            return self.completer.complete(matcher)
+        text = dfa.completion(dfa_state)
+        return Completion(text, self.completer.encode(text)) if text is not None else None
 
     def token_text(self, token_id: int) -> str:
         text = self._texts.get(token_id)
