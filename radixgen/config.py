@@ -141,3 +141,13 @@ class ServerConfig(EngineConfig):
     engine_restarts: int = 3
     """How many times the server starts a crashed engine process again (0: never); requests in
     flight when it crashed get HTTP 503."""
+    tool_call_decision: Literal["auto", "model", "scored"] = "auto"
+    """How ``tool_choice="auto"`` decides between a call and a text answer. model: the model
+    starts a call by writing its trigger. scored: the model's scores decide first (a call's
+    opening, as likely after the question as ``tool_call_threshold`` nats more than after a
+    content-free one, makes the turn a call), for models not trained to call on their own.
+    auto: scored for templates that render no tools (the bundled SmolLM2), model otherwise."""
+    tool_call_threshold: float = -1.0
+    """The scored decision's bar, in nats. Measured on SmolLM2-135M-Instruct with three tools
+    (tests/api/test_tools_real.py's questions): questions a tool answers scored -4.9 to 7.1
+    (eight of ten at -1 or more), questions none answers -13.3 to -2.2."""

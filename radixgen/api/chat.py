@@ -1,20 +1,40 @@
-"""Chat prompts and tool calls: messages -> prompt ids, tools -> prompt text and constraints,
-model output -> tool calls.
+"""Chat prompts and tool calls: messages -> prompt ids, tools -> prompt text and a structural
+constraint in the model family's call format, model output -> content, reasoning and calls.
 
-Templates that know tools (they reference ``tools``) get them natively; for the others (the
-bundled SmolLM2's ChatML among them) the tools are described in a system message with the one
-call format we parse back: a JSON object ``{"name": ..., "arguments": {...}}``.
+The call format and the reasoning markers come from the loaded tokenizer's chat template
+(``radixgen.tool_formats``, ``radixgen.reasoning``), found once when the server starts.
 """
 
 from __future__ import annotations
 
 import json
-import re
+import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
-from radixgen.api.protocol import ChatCompletionRequest, Tool, ToolCall, ToolCallFunction
+from radixgen import reasoning, tool_formats
+from radixgen.api.protocol import (
+    ChatCompletionRequest,
+    DeltaMessage,
+    Tool,
+    ToolCall,
+    ToolCallFunction,
+)
 from radixgen.errors import InvalidParamsError
-from radixgen.templates import TOOL_SYSTEM_PROMPT
+from radixgen.reasoning import ReasoningMarkers, ReasoningSplitter
+from radixgen.tool_formats import CallFormat, CallParser
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """How the loaded model's template writes tool calls and reasoning."""
+
+    calls: CallFormat
+    reasoning: ReasoningMarkers | None = None
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> ChatFormat:
+        return cls(tool_formats.detect(tokenizer), reasoning.detect(tokenizer))
 
 
 def _message_text(content: Any) -> str:
@@ -26,11 +46,6 @@ def _message_text(content: Any) -> str:
             raise InvalidParamsError(f"message content part of type {part.get('type')!r} is not supported; send text")
         parts.append(part.get("text", ""))
     return "".join(parts)
-
-
-def _template_knows_tools(tokenizer: Any) -> bool:
-    template = getattr(tokenizer, "chat_template", None) or ""
-    return "tools" in template
 
 
 def tool_mode(req: ChatCompletionRequest) -> tuple[str, Tool | None]:
@@ -51,29 +66,43 @@ def tool_mode(req: ChatCompletionRequest) -> tuple[str, Tool | None]:
     raise InvalidParamsError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
 
 
-def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, mode: str) -> list[int]:
+def _arguments(text: str | None) -> Any:
+    text = text or "{}"
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise InvalidParamsError(f"a tool call's arguments in messages are not JSON: {text[:80]!r}") from None
+
+
+def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, mode: str, fmt: ChatFormat) -> list[int]:
+    native = fmt.calls.template_renders_tools
     messages: list[dict[str, Any]] = []
     for m in req.messages:
         content = _message_text(m.content)
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.tool_calls:
-            calls = [{"name": tc.function.name, "arguments": json.loads(tc.function.arguments or "{}")}
-                     for tc in m.tool_calls]
-            if _template_knows_tools(tokenizer):
-                msg["tool_calls"] = [tc.model_dump() for tc in m.tool_calls]
+            if native:
+                msg["tool_calls"] = [{"id": tc.id, "type": "function", "function": {
+                    "name": tc.function.name, "arguments": _arguments(tc.function.arguments)}} for tc in m.tool_calls]
             else:  # show the model its own earlier calls in the format it is asked to use
-                msg["content"] = content + json.dumps(calls[0] if len(calls) == 1 else calls)
-        if m.tool_call_id:
+                _arguments(m.tool_calls[0].function.arguments)
+                msg["content"] = content + fmt.calls.render_calls(
+                    [(tc.function.name, tc.function.arguments or "{}") for tc in m.tool_calls])
+        if m.role == "tool" and not native:  # SmolLM2's documented layout of a tool's result
+            msg = {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+        elif m.tool_call_id:
             msg["tool_call_id"] = m.tool_call_id
         messages.append(msg)
     kwargs: dict[str, Any] = {}
     if req.tools and mode != "none":
-        if _template_knows_tools(tokenizer):
-            kwargs["tools"] = [t.model_dump() for t in req.tools]
+        if native:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         else:
-            described = "\n".join(json.dumps(t.function.model_dump(exclude_none=True)) for t in req.tools)
-            messages.insert(0 if messages[0]["role"] != "system" else 1,
-                            {"role": "system", "content": TOOL_SYSTEM_PROMPT.format(tools=described)})
+            described = fmt.calls.system_prompt([t.model_dump(exclude_none=True)["function"] for t in req.tools])
+            if messages and messages[0]["role"] == "system":
+                messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + described}
+            else:
+                messages.insert(0, {"role": "system", "content": described})
     # transformers renders chat templates in a sandboxed (immutable) Jinja environment
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))
@@ -83,50 +112,125 @@ def _parameters(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
-def tool_call_schema(mode: str, tools: list[Tool], named: Tool | None) -> dict[str, Any]:
-    """The constraint of a forced call: the named tool's arguments, or one of the tools' calls."""
-    if mode == "named":
-        assert named is not None
-        return _parameters(named)
-    return {"anyOf": [
-        {"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": _parameters(t)},
-         "required": ["name", "arguments"], "additionalProperties": False}
-        for t in tools
-    ]}
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def forced_tool_call(mode: str, named: Tool | None, text: str) -> ToolCall:
-    """The call a constrained output encodes."""
-    if mode == "named":
-        assert named is not None
-        return ToolCall(function=ToolCallFunction(name=named.function.name, arguments=text))
-    call = json.loads(text)
-    return ToolCall(function=ToolCallFunction(name=call["name"], arguments=json.dumps(call["arguments"])))
+@dataclass
+class ToolPlan:
+    """How one chat request treats tools and reasoning: the constraint, and reading the output back."""
+
+    mode: str = "none"
+    tools: list[Tool] = field(default_factory=list)
+    named: Tool | None = None
+    single: bool = False
+    """parallel_tool_calls=false: at most one call."""
+    legacy: bool = False
+    """The request used functions / function_call: answer with message.function_call."""
+    fmt: ChatFormat = field(default_factory=lambda: ChatFormat(tool_formats.GENERIC))
+    scored: bool = False
+    """The scored decision chose ``named`` (tool_decision): several calls of it may follow."""
+
+    @property
+    def calls_tools(self) -> bool:
+        return self.mode in ("auto", "required", "named")
+
+    def constraint(self, response: dict[str, Any]) -> dict[str, Any]:
+        """SamplingParams constraint keywords: tool calls in the family's format, and the
+        request's own constraint (``response``, from response_format) after any reasoning."""
+        if self.calls_tools and response:
+            if self.mode != "auto":
+                raise InvalidParamsError("a forced tool call (tool_choice required or named) cannot be combined with "
+                                         "response_format, regex or choices")
+            return response  # the answer follows response_format; the tools stay described
+        markers = self.fmt.reasoning
+        if self.calls_tools:
+            offered = [self.named] if self.named is not None else self.tools
+            structure: dict[str, Any] = {"tool_calls": self.fmt.calls.structure(
+                [(t.function.name, _parameters(t)) for t in offered], free_text=self.mode == "auto",
+                min_calls=0 if self.mode == "auto" else 1,
+                max_calls=1 if self.single or self.legacy or (self.mode == "named" and not self.scored) else None)}
+        elif markers is not None and ("json_schema" in response or "json_object" in response):
+            structure = {"json_schema": response.get("json_schema", {"type": "object"})}
+        else:
+            return response
+        if markers is not None:
+            structure["reasoning"] = markers.structure()
+        return {"structural": structure}
+
+    def reader(self) -> OutputReader:
+        return OutputReader(self)
+
+    def finish(self, text: str, finish_reason: str | None) -> tuple[str | None, str | None, list[ToolCall] | None, str | None]:
+        """(content, reasoning, tool_calls, finish_reason) of a finished output."""
+        reader = self.reader()
+        reader.feed(text)
+        reader.finish()
+        return reader.result(finish_reason)
 
 
-_CALL_TAG = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+class OutputReader:
+    """Reads one choice's output as it streams: reasoning, content and tool calls, as chat deltas.
 
+    Call arguments stream as they are generated; the non-streamed answer is this same reader
+    fed the whole text, so the streamed fragments concatenate to it byte for byte."""
 
-def parse_tool_calls(text: str, tools: list[Tool]) -> list[ToolCall] | None:
-    """Tool calls in a free-form answer (tool_choice auto), or None if it is a plain answer."""
-    names = {t.function.name for t in tools}
-    candidates = _CALL_TAG.findall(text) or [text.strip()]
-    calls = []
-    for candidate in candidates:
-        try:
-            obj = json.loads(candidate)
-        except json.JSONDecodeError:
-            return None
-        for item in obj if isinstance(obj, list) else [obj]:
-            if not isinstance(item, dict) or item.get("name") not in names:
-                return None
-            args = item.get("arguments", item.get("parameters", {}))
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except json.JSONDecodeError:
-                    return None
-            if not isinstance(args, dict):
-                return None
-            calls.append(ToolCall(function=ToolCallFunction(name=item["name"], arguments=json.dumps(args))))
-    return calls or None
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        markers = plan.fmt.reasoning
+        self._splitter = ReasoningSplitter(markers) if markers is not None else None
+        self._parser: CallParser | None = plan.fmt.calls.parser() if plan.calls_tools else None
+        self._ids: list[str] = []
+        self.content = ""
+        self.reasoning = ""
+
+    def feed(self, text: str) -> list[DeltaMessage]:
+        thought, answer = self._splitter.feed(text) if self._splitter is not None else ("", text)
+        return self._deltas(thought, answer, final=False)
+
+    def finish(self) -> list[DeltaMessage]:
+        thought = self._splitter.finish() if self._splitter is not None else ""
+        return self._deltas(thought, "", final=True)
+
+    def _deltas(self, thought: str, answer: str, *, final: bool) -> list[DeltaMessage]:
+        out = []
+        if thought:
+            self.reasoning += thought
+            out.append(DeltaMessage(reasoning_content=thought))
+        if self._parser is None:
+            if answer:
+                self.content += answer
+                out.append(DeltaMessage(content=answer))
+            return out
+        events = self._parser.feed(answer) if answer else tool_formats.CallEvents()
+        if final:
+            ended = self._parser.finish()
+            events.content += ended.content
+        if events.content:
+            self.content += events.content
+            out.append(DeltaMessage(content=events.content))
+        started = dict(events.started)
+        self._ids += [new_call_id() for _ in events.started]
+        calls: list[dict[str, Any]] = []
+        for index in sorted(started.keys() | {i for i, _ in events.arguments}):
+            fragment = "".join(a for i, a in events.arguments if i == index)
+            if index in started:
+                calls.append({"index": index, "id": self._ids[index], "type": "function",
+                              "function": {"name": started[index], "arguments": fragment}})
+            else:
+                calls.append({"index": index, "function": {"arguments": fragment}})
+        if calls:
+            out.append(DeltaMessage(tool_calls=calls))
+        return out
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        parsed = self._parser.calls if self._parser is not None else []
+        return [ToolCall(id=self._ids[i], function=ToolCallFunction(name=c.name, arguments=c.arguments))
+                for i, c in enumerate(parsed)]
+
+    def result(self, finish_reason: str | None) -> tuple[str | None, str | None, list[ToolCall] | None, str | None]:
+        calls = self.calls or None
+        reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
+        content = self.content if self.content.strip() or not calls else None
+        return content, self.reasoning or None, calls, reason

@@ -197,6 +197,8 @@ class ChoiceLogprobs(BaseModel):
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    """A thinking model's reasoning section (vLLM's and SGLang's field), apart from the answer."""
     tool_calls: list[ToolCall] | None = None
     function_call: ToolCallFunction | None = None
     """The legacy answer to a request with ``functions``."""
@@ -224,6 +226,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     function_call: dict[str, Any] | None = None
 

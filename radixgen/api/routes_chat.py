@@ -6,19 +6,14 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from radixgen.api.chat import (
-    chat_prompt_ids,
-    forced_tool_call,
-    parse_tool_calls,
-    tool_call_schema,
-    tool_mode,
-)
+from radixgen.api import tool_decision
+from radixgen.api.chat import ToolPlan, chat_prompt_ids, tool_mode
 from radixgen.api.engine_client import EngineClient
 from radixgen.api.protocol import (
     ChatChoice,
@@ -29,7 +24,6 @@ from radixgen.api.protocol import (
     DeltaMessage,
     ResponseMessage,
     Tool,
-    ToolCall,
     Usage,
 )
 from radixgen.api.serving import (
@@ -56,34 +50,6 @@ router = APIRouter()
 
 
 @dataclass
-class ToolPlan:
-    """How this chat request treats tools: mode, the tools, the forced one."""
-
-    mode: str = "none"
-    tools: list[Tool] = field(default_factory=list)
-    named: Tool | None = None
-    single: bool = False
-    """parallel_tool_calls=false: at most one call."""
-    legacy: bool = False
-    """The request used functions / function_call: answer with message.function_call."""
-
-    @property
-    def forced(self) -> bool:
-        return self.mode in ("required", "named")
-
-    def finish(self, result: ChoiceResult) -> tuple[str | None, list[ToolCall] | None, str | None]:
-        """(content, tool_calls, finish_reason) of a finished choice."""
-        if result.finish_reason != "stop" or self.mode == "none":
-            return result.text, None, result.finish_reason
-        if self.forced:
-            return None, [forced_tool_call(self.mode, self.named, result.text)], "tool_calls"
-        calls = parse_tool_calls(result.text, self.tools) if self.mode == "auto" else None
-        if calls:
-            return None, calls[:1] if self.single or self.legacy else calls, "tool_calls"
-        return result.text, None, result.finish_reason
-
-
-@dataclass
 class ChatPlan:
     """A chat request turned into engine jobs (shared by /v1/chat/completions and /v1/responses)."""
 
@@ -101,15 +67,17 @@ async def plan_chat(req: ChatCompletionRequest, request: Request, *, id_prefix: 
     if legacy:
         req = _functions_as_tools(req)
     mode, named = tool_mode(req)
-    tools = ToolPlan(mode, list(req.tools or []), named, single=req.parallel_tool_calls is False, legacy=legacy)
-    constraint = constraint_fields(req)
-    if tools.forced:
-        if constraint:
-            raise InvalidParamsError("a forced tool call (tool_choice required or named) cannot be combined with "
-                                     "response_format, regex or choices")
-        constraint = {"json_schema": tool_call_schema(mode, tools.tools, named)}
+    tools = ToolPlan(mode, list(req.tools or []), named, single=req.parallel_tool_calls is False, legacy=legacy,
+                     fmt=state.chat_format)
     # templating and tokenising a long prompt must not stall the streams this loop serves
-    prompt_ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, req, mode)
+    prompt_ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, req, mode, state.chat_format)
+    config = state.config
+    if tool_decision.applies(config.tool_call_decision, req, tools):
+        best = await state.call_scorer.best_call(req, tools, prompt_ids, config.tool_call_threshold,
+                                                 req.max_completion_tokens or req.max_tokens)
+        if best is not None:
+            tools.mode, tools.named, tools.scored = "named", best, True
+    constraint = tools.constraint(constraint_fields(req))
     max_tokens = req.max_completion_tokens or req.max_tokens
     top = req.top_logprobs or 0
     if top and not req.logprobs:
@@ -138,10 +106,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         return JSONResponse({}, status_code=499)  # nobody is listening any more
     choices = []
     for i, r in enumerate(results):
-        content, calls, reason = tools.finish(r)
-        message = ResponseMessage(content=content, tool_calls=calls)
+        content, thought, calls, reason = tools.finish(r.text, r.finish_reason)
+        message = ResponseMessage(content=content, reasoning_content=thought, tool_calls=calls)
         if legacy and calls:
-            message = ResponseMessage(content=content, function_call=calls[0].function)
+            message = ResponseMessage(content=content, reasoning_content=thought, function_call=calls[0].function)
             reason = "function_call"
         choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
                                   logprobs=token_logprobs(state.tokenizer, r, bool(top), state.token_bytes) if req.logprobs else None,
@@ -171,68 +139,13 @@ def _as_function_call(delta: DeltaMessage) -> DeltaMessage:
                         function_call={k: function[k] for k in ("name", "arguments") if k in function})
 
 
-class ChoiceStream:
-    """Turns one choice's text deltas into chat deltas: content, or tool-call fragments.
-
-    A named tool streams its arguments as they come; a 'required' call (the name is inside the
-    JSON) and an 'auto' answer that starts like JSON are held until the end and then parsed.
-    """
-
-    def __init__(self, index: int, tools: ToolPlan) -> None:
-        self.index, self.tools = index, tools
-        self.call_id = f"call-{uuid.uuid4().hex[:24]}"
-        self.started = False
-        self.held = ""
-        self.holding = tools.mode in ("required",)
-
-    def delta(self, text: str) -> list[DeltaMessage]:
-        if self.tools.mode == "named":
-            assert self.tools.named is not None
-            out = []
-            if not self.started:
-                self.started = True
-                out.append(self._call(self.tools.named.function.name, ""))
-            if text:
-                out.append(DeltaMessage(tool_calls=[{"index": 0, "function": {"arguments": text}}]))
-            return out
-        if self.tools.mode == "auto" and not self.started and not self.holding:
-            stripped = (self.held + text).lstrip()
-            if not stripped:
-                self.held += text
-                return []
-            self.started = True
-            if stripped[0] in "{<[":
-                self.holding = True
-            else:
-                text, self.held = self.held + text, ""
-        if self.holding:
-            self.held += text
-            return []
-        return [DeltaMessage(content=text)] if text else []
-
-    def finish(self, result: ChoiceResult) -> tuple[list[DeltaMessage], str | None]:
-        if self.tools.mode == "named":
-            return [], "tool_calls" if result.finish_reason == "stop" else result.finish_reason
-        if not self.holding:
-            return [], result.finish_reason
-        content, calls, reason = self.tools.finish(result)
-        if calls:
-            return [DeltaMessage(tool_calls=[self._call(c.function.name, c.function.arguments, i)["tool_calls"][0]
-                                             for i, c in enumerate(calls)])], reason
-        return [DeltaMessage(content=self.held)] if self.held else [], reason
-
-    def _call(self, name: str, arguments: str, index: int = 0) -> Any:
-        return DeltaMessage(tool_calls=[{"index": index, "id": self.call_id if index == 0 else f"{self.call_id}-{index}",
-                                         "type": "function", "function": {"name": name, "arguments": arguments}}])
-
-
 async def _chat_stream(request: Request, req: ChatCompletionRequest, tools: ToolPlan,
                        jobs: list[tuple[str, list[int], SamplingParams]], base_id: str, model: str,
                        started: float) -> AsyncIterator[str]:
     state = request.app.state
     created = int(time.time())
     results = [ChoiceResult() for _ in jobs]
-    streams = [ChoiceStream(i, tools) for i in range(len(jobs))]
+    readers = [tools.reader() for _ in jobs]
     last_token_at: list[float | None] = [None] * len(jobs)
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
@@ -255,11 +168,11 @@ async def _chat_stream(request: Request, req: ChatCompletionRequest, tools: Tool
                 part = ChoiceResult(token_ids=out.new_token_ids, logprobs=out.new_logprobs or [],
                                     top_logprobs=out.new_top_logprobs or [])
                 logprobs = token_logprobs(state.tokenizer, part, bool(req.top_logprobs), state.token_bytes)
-            deltas = streams[i].delta(out.new_text)
+            deltas = readers[i].feed(out.new_text)
             reason = None
             if out.finished:
-                extra, reason = streams[i].finish(results[i])
-                deltas += extra
+                deltas += readers[i].finish()
+                reason = readers[i].result(results[i].finish_reason)[3]
             if logprobs is not None and not deltas:
                 deltas = [DeltaMessage()]
             if tools.legacy:

@@ -31,7 +31,7 @@ from openai.types.responses import (
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
 
 from radixgen.api.protocol import ChatCompletionRequest, ResponsesRequest, ToolCall
-from radixgen.api.routes_chat import ChatPlan, ChoiceStream, plan_chat
+from radixgen.api.routes_chat import ChatPlan, plan_chat
 from radixgen.api.serving import (
     ChoiceResult,
     apply,
@@ -150,7 +150,7 @@ def as_chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> Cha
 
 
 def _output_items(plan: ChatPlan, result: ChoiceResult, message_id: str) -> tuple[list[Any], list[ToolCall] | None]:
-    content, calls, _ = plan.tools.finish(result)
+    content, _, calls, _ = plan.tools.finish(result.text, result.finish_reason)
     if calls:
         return [ResponseFunctionToolCall(type="function_call", id=f"fc-{c.id}", call_id=c.id, name=c.function.name,
                                          arguments=c.function.arguments, status="completed") for c in calls], calls
@@ -215,7 +215,7 @@ async def _stream(request: Request, req: ResponsesRequest, plan: ChatPlan, histo
     """OpenAI's event sequence: created, in_progress, the output item with its text or argument
     deltas, the item done, completed (with the whole response)."""
     result = ChoiceResult()
-    stream = ChoiceStream(0, plan.tools)
+    reader = plan.tools.reader()
     seq = 0
     last_token_at: list[float | None] = [None]
 
@@ -238,9 +238,9 @@ async def _stream(request: Request, req: ResponsesRequest, plan: ChatPlan, histo
             _, out = item
             apply(result, out, streamed=True)
             observe_latency(request.app.state.metrics, last_token_at, 0, out, started)
-            deltas = stream.delta(out.new_text)
+            deltas = reader.feed(out.new_text)
             if out.finished:
-                deltas += stream.finish(result)[0]
+                deltas += reader.finish()
             for delta in deltas:
                 if delta.content:
                     if not text_open:

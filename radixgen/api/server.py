@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from radixgen.api.chat import ChatFormat
 from radixgen.api.engine_client import EngineClient
 from radixgen.api.metrics import ServerMetrics
 from radixgen.api.protocol import ErrorBody, ErrorResponse, ModelCard, ModelList
@@ -27,6 +28,7 @@ from radixgen.api.routes_completions import router as completions_router
 from radixgen.api.routes_responses import ConversationStore
 from radixgen.api.routes_responses import router as responses_router
 from radixgen.api.serving import TokenBytes
+from radixgen.api.tool_decision import CallScorer
 from radixgen.config import ServerConfig
 from radixgen.errors import EngineDeadError, OverloadedError, RadixgenError
 from radixgen.models.loader import DEFAULT_MODEL_NAME
@@ -72,6 +74,8 @@ def create_app(config: ServerConfig, *, client: EngineClient | None = None) -> F
         app.state.model_name = served_name(config)
         app.state.responses = ConversationStore()
         app.state.token_bytes = TokenBytes(app.state.tokenizer)
+        app.state.chat_format = ChatFormat.of(app.state.tokenizer)
+        app.state.call_scorer = CallScorer(engine, app.state.tokenizer, app.state.chat_format)
         app.state.metrics = ServerMetrics()
         logger.info("serving %s on http://%s:%d", app.state.model_name, config.host, config.port)
         try:

@@ -28,6 +28,9 @@ from radixgen.constraints.backend import Matcher
 # object, an array), then the shortest values (digits), then letters and punctuation.
 _PREFERENCE = '"}]' + "1234567890" + string.ascii_lowercase + ".-_@:/+" + string.ascii_uppercase + ", "
 _PREFERENCE += "".join(c for c in string.printable if c not in _PREFERENCE and c not in "\t\n\r\x0b\x0c")
+# a newline last: JSON never takes one between our tokens, but a tool-call block's framing does
+# (SmolLM2's "\n]</tool_call>", Hermes' "\n</tool_call>")
+_PREFERENCE += "\n"
 _ALNUM = frozenset(string.ascii_letters + string.digits)
 _CLOSERS = frozenset('"}],')
 # After this many letters or digits in a row the walk tries punctuation first, the kinds it has
@@ -161,7 +164,9 @@ class Completer:
                      + [c for c in marks if c[0] in avoid] + [c for c in order if c[0] in _CLOSERS and c[0] != '"']
                      + [c for c in order if c[0] in _ALNUM])
         finishing: set[str] = set()
-        if not in_text:  # in a number or between values: first whatever ends the output at once
+        if not in_text:  # in a number or between values: first whatever ends the output at once,
+            # then whatever ends it after the stretch it forces (a tool-call block's closing
+            # "\n]</tool_call>" rather than the ",\n" that opens another call)
             for ch, t in order:
                 if matcher.accept(t):
                     if self.can_stop(matcher):
@@ -169,6 +174,20 @@ class Completer:
                         yield ch
                     else:
                         matcher.rollback(1)
+            for ch, t in order:
+                if ch in finishing or not matcher.accept(t):
+                    continue
+                forced = matcher.forced_string()
+                forced_ids = self.encode(forced) if forced else ()
+                ends = bool(forced_ids) and self._accept_all(matcher, forced_ids)
+                if ends:
+                    ends = self.can_stop(matcher)
+                    matcher.rollback(len(forced_ids))
+                if ends:
+                    finishing.add(ch)
+                    yield ch
+                else:
+                    matcher.rollback(1)
         for ch, t in order:
             if ch not in finishing and matcher.accept(t):
                 yield ch

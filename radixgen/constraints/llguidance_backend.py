@@ -95,6 +95,9 @@ class LLGuidanceBackend(GrammarBackend):
         self._stop_ids = frozenset(stop_token_ids)
 
     def compile(self, spec: ConstraintSpec) -> Grammar:
+        if spec.kind == "structural":
+            raise InvalidConstraintError(f"the {self.name} backend does not compile structural constraints (tool calls "
+                                         "inside text, a reasoning section): use grammar_backend xgrammar or auto")
         if spec.kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(spec.value)
         elif spec.kind == "choices":

@@ -119,6 +119,9 @@ class OutlinesBackend(GrammarBackend):
         self._stop_ids = frozenset(stop_token_ids)
 
     def compile(self, spec: ConstraintSpec) -> Grammar:
+        if spec.kind == "structural":
+            raise InvalidConstraintError(f"the {self.name} backend does not compile structural constraints (tool calls "
+                                         "inside text, a reasoning section): use grammar_backend xgrammar or auto")
         try:
             if spec.kind in ("regex", "choices"):
                 regex = spec.pattern()

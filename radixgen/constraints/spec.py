@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from radixgen.errors import InvalidConstraintError
 
-ConstraintKind = Literal["regex", "json_schema", "choices", "json_object"]
+ConstraintKind = Literal["regex", "json_schema", "choices", "json_object", "structural"]
 
 if sys.version_info >= (3, 11):
     import re._constants as _sre_constants
@@ -47,7 +47,7 @@ validators') stay far from Python's recursion limit. The engine may set a lower 
 class ConstraintSpec:
     kind: ConstraintKind
     value: str
-    """The regex, the schema as canonical JSON, the choices as a JSON list, or '' for json_object."""
+    """The regex, the schema or structure as canonical JSON, the choices as a JSON list, or '' for json_object."""
     depth: int = field(default=0, compare=False)
     """JSON nesting depth of a schema (measured once here; the engine checks it against its limit)."""
 
@@ -57,6 +57,10 @@ class ConstraintSpec:
 
     def schema(self) -> dict[str, Any]:
         assert self.kind == "json_schema"
+        return json.loads(self.value)
+
+    def structure(self) -> dict[str, Any]:
+        assert self.kind == "structural"
         return json.loads(self.value)
 
     def choices(self) -> list[str]:

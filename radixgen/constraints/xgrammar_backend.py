@@ -13,6 +13,7 @@ from radixgen.constraints.backend import Grammar, GrammarBackend, Matcher
 from radixgen.constraints.drafts import as_2020_12
 from radixgen.constraints.schema_rewrite import DEFAULT_OPTIONS, GrammarOptions, grammar_schema
 from radixgen.constraints.spec import ConstraintSpec
+from radixgen.constraints.structural import xgrammar_structural_tag
 from radixgen.constraints.xgrammar_subset import xgrammar_enforces_exactly
 from radixgen.errors import InvalidConstraintError
 
@@ -95,9 +96,12 @@ class XGrammarBackend(GrammarBackend):
                 compiled = self._compiler.compile_json_schema(
                     json.dumps({"type": "object"}), any_whitespace=False, separators=_SEPARATORS, strict_mode=False
                 )
+            elif spec.kind == "structural":
+                compiled = self._compiler.compile_structural_tag(
+                    xgrammar_structural_tag(spec.structure(), self.options))
             else:
                 compiled = self._compiler.compile_regex(spec.pattern())
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError, xgr.InvalidStructuralTagError) as e:
             raise InvalidConstraintError(f"cannot compile the {spec.kind.replace('_', ' ')}: {e}") from None
         grammar = XGrammarGrammar(compiled, self._json_words if spec.kind in ("json_schema", "json_object") else None)
         grammar.enforces_schema_exactly = spec.kind == "json_schema" and xgrammar_enforces_exactly(

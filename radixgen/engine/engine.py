@@ -345,12 +345,13 @@ class Engine:
                 f"must fit the context of {limit} tokens (max_context_len): shorten the prompt or lower max_new_tokens"
             )
         spec = params.constraint
-        if spec is not None and spec.kind == "json_schema":
+        if spec is not None and spec.kind in ("json_schema", "structural"):
+            what = "json_schema" if spec.kind == "json_schema" else "the structural constraint (its schemas)"
             if len(spec.value) > self.config.max_schema_bytes:
-                raise InvalidConstraintError(f"json_schema is {len(spec.value)} bytes; the limit (max_schema_bytes) "
+                raise InvalidConstraintError(f"{what} is {len(spec.value)} bytes; the limit (max_schema_bytes) "
                                              f"is {self.config.max_schema_bytes}")
             if spec.depth > self.config.max_schema_depth:
-                raise InvalidConstraintError(f"json_schema nests {spec.depth} levels deep; the limit (max_schema_depth) "
+                raise InvalidConstraintError(f"{what} nests {spec.depth} levels deep; the limit (max_schema_depth) "
                                              f"is {self.config.max_schema_depth}")
         vocab = self.model_config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:

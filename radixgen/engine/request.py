@@ -20,6 +20,7 @@ from radixgen.constraints.spec import (
     regex_spec,
     schema_spec,
 )
+from radixgen.constraints.structural import structural_spec
 from radixgen.errors import InvalidParamsError
 
 if TYPE_CHECKING:
@@ -82,6 +83,9 @@ class SamplingParams:
     choices: tuple[str, ...] | None = None
     json_object: bool = False
     """Any JSON object (OpenAI's response_format json_object)."""
+    structural: dict[str, Any] | None = field(default=None, compare=False)
+    """An output of parts (``constraints.structural``): tool calls a trigger starts inside free
+    text, or a reasoning section before a JSON schema or tool calls."""
     validators: dict[str, Any] | None = field(default=None, compare=False)
     """Callbacks by JSON path ("$.price", "$.items[*].qty") run on each completed value; a False
     return or a ValueError rejects it: the request rolls back to the value's start and resamples."""
@@ -123,7 +127,7 @@ class SamplingParams:
         object.__setattr__(self, "constraint", self._constraint_spec())
 
     def _constraint_spec(self) -> ConstraintSpec | None:
-        given = [name for name in ("regex", "json_schema", "choices") if getattr(self, name) is not None]
+        given = [name for name in ("regex", "json_schema", "choices", "structural") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) > 1:
             raise InvalidParamsError(f"give at most one constraint per request; got {', '.join(given)}")
@@ -133,6 +137,8 @@ class SamplingParams:
             return schema_spec(self.json_schema)
         if self.choices is not None:
             return choices_spec(list(self.choices))
+        if self.structural is not None:
+            return structural_spec(self.structural)
         return JSON_OBJECT if self.json_object else None
 
     def validate(self) -> None:

@@ -1,40 +1,18 @@
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from radixgen.api.chat import parse_tool_calls, tool_call_schema, tool_mode
+from radixgen.api.chat import ChatFormat, ToolPlan, tool_mode
 from radixgen.api.protocol import ChatCompletionRequest, Tool
 from radixgen.errors import InvalidParamsError
+from radixgen.reasoning import ReasoningMarkers
+from radixgen.tool_formats import HERMES
 
 TOOLS = [Tool.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})]
 
 
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ('{"name": "get_weather", "arguments": {"city": "Paris"}}', [("get_weather", {"city": "Paris"})]),
-        ('  <tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>',
-         [("get_weather", {"city": "Oslo"})]),
-        ('[{"name": "get_weather", "parameters": {"city": "A"}}, {"name": "get_weather", "arguments": {"city": "B"}}]',
-         [("get_weather", {"city": "A"}), ("get_weather", {"city": "B"})]),
-        ('{"name": "unknown_tool", "arguments": {}}', None),
-        ("The weather is nice.", None),
-        ('{"name": "get_weather", "arguments": [1]}', None),
-    ],
-)
-def test_parse_tool_calls(text: str, expected: list[tuple[str, dict[str, str]]] | None) -> None:
-    calls = parse_tool_calls(text, TOOLS)
-    if expected is None:
-        assert calls is None
-    else:
-        assert calls is not None
-        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == expected
-
-
-def test_tool_modes_and_schema() -> None:
+def test_tool_modes() -> None:
     base = {"messages": [{"role": "user", "content": "hi"}]}
     assert tool_mode(ChatCompletionRequest.model_validate(base))[0] == "none"
     with_tools = {**base, "tools": [t.model_dump() for t in TOOLS]}
@@ -44,5 +22,31 @@ def test_tool_modes_and_schema() -> None:
     assert mode == "named" and named is not None
     with pytest.raises(InvalidParamsError, match="needs tools"):
         tool_mode(ChatCompletionRequest.model_validate({**base, "tool_choice": "required"}))
-    schema = tool_call_schema("required", TOOLS, None)
-    assert schema["anyOf"][0]["properties"]["name"] == {"const": "get_weather"}
+
+
+def test_plan_constraints_follow_the_mode_and_parallel_setting() -> None:
+    auto = ToolPlan("auto", TOOLS).constraint({})["structural"]["tool_calls"]
+    assert auto["free_text"] and auto["min_calls"] == 0 and auto["max_calls"] is None
+    assert ToolPlan("auto", TOOLS, single=True).constraint({})["structural"]["tool_calls"]["max_calls"] == 1
+    required = ToolPlan("required", TOOLS).constraint({})["structural"]["tool_calls"]
+    assert not required["free_text"] and required["min_calls"] == 1
+    named = ToolPlan("named", TOOLS, TOOLS[0]).constraint({})["structural"]["tool_calls"]
+    assert [c["name"] for c in named["calls"]] == ["get_weather"] and named["max_calls"] == 1
+    with pytest.raises(InvalidParamsError, match="cannot be combined"):
+        ToolPlan("required", TOOLS).constraint({"regex": "a"})
+    # a thinking template: the request's JSON schema comes after the reasoning section
+    thinking = ChatFormat(HERMES, ReasoningMarkers("<think>", "</think>"))
+    wrapped = ToolPlan(fmt=thinking).constraint({"json_schema": {"type": "object"}})["structural"]
+    assert wrapped == {"json_schema": {"type": "object"}, "reasoning": {"begin": "<think>", "end": "</think>"}}
+    assert ToolPlan(fmt=thinking).constraint({"regex": "a+"}) == {"regex": "a+"}
+
+
+def test_reader_splits_reasoning_content_and_calls() -> None:
+    plan = ToolPlan("auto", TOOLS, fmt=ChatFormat(HERMES, ReasoningMarkers("<think>", "</think>")))
+    text = ('<think>\nThe user wants weather.</think>\nChecking. <tool_call>\n'
+            '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    content, thought, calls, reason = plan.finish(text, "stop")
+    assert thought == "The user wants weather." and content == "Checking. " and reason == "tool_calls"
+    assert calls is not None and [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Oslo"}')]
+    assert plan.finish(text, "length")[3] == "length"

@@ -1,0 +1,111 @@
+"""Structural constraints: an output made of parts, of which only some are constrained.
+
+Two shapes, both backend-neutral dicts (``structural_spec`` checks and normalises them):
+
+- **tool calls inside free text** (``{"tool_calls": {...}}``): text until the model writes the
+  call format's trigger (``<tool_call>``, ``[TOOL_CALLS]``, ``{"name": ``), then a call block
+  whose every call names one of the tools and whose arguments match that tool's schema; after
+  the block the text goes on and another block may start (unless ``max_calls`` is 1). With
+  ``free_text`` false the output is calls only (``tool_choice="required"`` or a named tool).
+- **a reasoning section first** (``"reasoning": {"begin": "<think>", "end": "</think>"}``):
+  free text up to the end marker, then the rest (tool calls, or ``{"json_schema": ...}``) is
+  constrained: a thinking model reasons unconstrained and answers under the constraint.
+
+A tool-call block is ``block_begin`` + call (``separator`` + call)* + ``block_end`` when the
+family lists several calls in one block (SmolLM2's and Mistral's JSON lists), or one call per
+block (``separator`` None: Hermes' ``<tool_call>`` tags). Each call is ``begin`` (its name is in
+it: ``{"name": "get_weather", "arguments": ``) + arguments JSON + ``end``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from radixgen.constraints.schema_rewrite import GrammarOptions, grammar_schema
+from radixgen.constraints.spec import ConstraintSpec, schema_spec
+from radixgen.errors import InvalidConstraintError
+
+_JSON_WHITESPACE = 1
+"""Whitespace characters allowed in a row inside generated JSON: a model cannot pad a call's
+arguments with newlines until max_tokens."""
+
+
+def structural_spec(structure: Any) -> ConstraintSpec:
+    """Check a structure (see the module docstring) and key it by its canonical JSON."""
+    if not isinstance(structure, dict):
+        raise InvalidConstraintError(f"structural must be an object, got {type(structure).__name__}")
+    unknown = set(structure) - {"reasoning", "tool_calls", "json_schema"}
+    if unknown:
+        raise InvalidConstraintError(f"structural has unknown parts {sorted(unknown)}; "
+                                     "use reasoning, tool_calls or json_schema")
+    bodies = [k for k in ("tool_calls", "json_schema") if k in structure]
+    if len(bodies) != 1:
+        raise InvalidConstraintError("structural needs exactly one of tool_calls and json_schema")
+    depth = 0
+    reasoning = structure.get("reasoning")
+    if reasoning is not None:
+        _strings(reasoning, "structural.reasoning", ("begin", "end"))
+        if not reasoning["end"]:
+            raise InvalidConstraintError("structural.reasoning.end must be a non-empty marker")
+    if "json_schema" in structure:
+        depth = schema_spec(structure["json_schema"]).depth
+    else:
+        calls = structure["tool_calls"]
+        _strings(calls, "structural.tool_calls", ("trigger", "block_begin", "block_end"))
+        if not calls["trigger"] or not calls["block_begin"].startswith(calls["trigger"]) and calls["block_begin"]:
+            raise InvalidConstraintError("structural.tool_calls.trigger must be a non-empty prefix of block_begin")
+        if not isinstance(calls.get("calls"), list) or not calls["calls"]:
+            raise InvalidConstraintError("structural.tool_calls.calls must be a non-empty list")
+        for i, call in enumerate(calls["calls"]):
+            _strings(call, f"structural.tool_calls.calls[{i}]", ("name", "begin", "end"))
+            depth = max(depth, schema_spec(call.get("schema", {})).depth)
+            if not calls["block_begin"] and not call["begin"].startswith(calls["trigger"]):
+                raise InvalidConstraintError(f"structural.tool_calls.calls[{i}].begin must start with the trigger")
+        if calls.get("min_calls", 0) not in (0, 1) or calls.get("max_calls") not in (None, 1):
+            raise InvalidConstraintError("structural.tool_calls: min_calls is 0 or 1, max_calls 1 or null")
+    return ConstraintSpec("structural", json.dumps(structure, separators=(",", ":")), depth)
+
+
+def _strings(part: Any, where: str, names: tuple[str, ...]) -> None:
+    if not isinstance(part, dict) or not all(isinstance(part.get(n), str) for n in names):
+        raise InvalidConstraintError(f"{where} must be an object with string fields {', '.join(names)}")
+
+
+def xgrammar_structural_tag(structure: dict[str, Any], options: GrammarOptions) -> dict[str, Any]:
+    """The structure as xgrammar's structural tag (its triggered tags express the free text
+    that a trigger ends; tags_with_separator the calls of one block)."""
+
+    def json_format(schema: Any) -> dict[str, Any]:
+        return {"type": "json_schema", "json_schema": grammar_schema(schema, options),
+                "max_whitespace_cnt": _JSON_WHITESPACE}
+
+    if "json_schema" in structure:
+        body = json_format(structure["json_schema"])
+    else:
+        spec = structure["tool_calls"]
+        single = spec.get("max_calls") == 1
+
+        def call_tag(call: dict[str, Any], before: str = "", after: str = "") -> dict[str, Any]:
+            return {"type": "tag", "begin": before + call["begin"], "content": json_format(call.get("schema", {})),
+                    "end": call["end"] + after}
+
+        if spec.get("separator") is not None:
+            calls = {"type": "tags_with_separator", "tags": [call_tag(c) for c in spec["calls"]],
+                     "separator": spec["separator"], "at_least_one": True, "stop_after_first": single}
+            blocks = [{"type": "tag", "begin": spec["block_begin"], "content": calls, "end": spec["block_end"]}]
+            one_block = True
+        else:
+            blocks = [call_tag(c, spec["block_begin"], spec["block_end"]) for c in spec["calls"]]
+            one_block = single
+        body = {"type": "triggered_tags", "triggers": [spec["trigger"]], "tags": blocks,
+                "at_least_one": bool(spec.get("min_calls", 0)) or not spec.get("free_text", True),
+                "stop_after_first": one_block}
+    reasoning = structure.get("reasoning")
+    if reasoning is not None:
+        body = {"type": "sequence", "elements": [
+            # thinking models leave a blank line or two after the section
+            {"type": "tag", "begin": reasoning["begin"], "content": {"type": "any_text"},
+             "end": [reasoning["end"] + "\n\n", reasoning["end"] + "\n", reasoning["end"]]},
+            body]}
+    return {"type": "structural_tag", "format": body}
