@@ -77,6 +77,7 @@ class Completer:
         separators = [c for c in self._chars if c[0] in ", "]
         self._chars = closers + separators + [c for c in self._chars if c not in closers and c not in separators]
         self._probe = next(t for ch, t in self._chars if ch == "a")
+        self._newline = [c for c in self._chars if c[0] == "\n"]
 
     def encode(self, text: str) -> tuple[int, ...]:
         ids = self._encoded.get(text)
@@ -165,8 +166,9 @@ class Completer:
                      + [c for c in order if c[0] in _ALNUM])
         finishing: set[str] = set()
         if not in_text:  # in a number or between values: first whatever ends the output at once,
-            # then whatever ends it after the stretch it forces (a tool-call block's closing
-            # "\n]</tool_call>" rather than the ",\n" that opens another call)
+            # then a newline whose forced stretch ends it (a tool-call block's closing
+            # "\n]</tool_call>" rather than the ",\n" that opens another call; looking ahead
+            # through every character made JSON walks 1.7x slower, and JSON takes no newline)
             for ch, t in order:
                 if matcher.accept(t):
                     if self.can_stop(matcher):
@@ -174,7 +176,7 @@ class Completer:
                         yield ch
                     else:
                         matcher.rollback(1)
-            for ch, t in order:
+            for ch, t in self._newline:
                 if ch in finishing or not matcher.accept(t):
                     continue
                 forced = matcher.forced_string()
