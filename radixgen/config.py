@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from radixgen.tool_formats import DEFAULT_CALL_THRESHOLD
+
 DType = Literal["float32", "bfloat16", "float16"]
 SchedulePolicy = Literal["fcfs", "lpm"]
 Routing = Literal["prefix-affinity", "round-robin"]
@@ -147,7 +149,5 @@ class ServerConfig(EngineConfig):
     opening, as likely after the question as ``tool_call_threshold`` nats more than after a
     content-free one, makes the turn a call), for models not trained to call on their own.
     auto: scored for templates that render no tools (the bundled SmolLM2), model otherwise."""
-    tool_call_threshold: float = -1.0
-    """The scored decision's bar, in nats. Measured on SmolLM2-135M-Instruct with three tools
-    (tests/api/test_tools_real.py's questions): questions a tool answers scored -4.9 to 7.1
-    (eight of ten at -1 or more), questions none answers -13.3 to -2.2."""
+    tool_call_threshold: float = DEFAULT_CALL_THRESHOLD
+    """The scored decision's bar, in nats (tool_formats.DEFAULT_CALL_THRESHOLD says how it was measured)."""

@@ -13,13 +13,6 @@ from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
 
-# How tools are described to models whose chat template knows none (the bundled SmolLM2's
-# ChatML among them): the server and the DSL's tool loop use the same words and call format.
-TOOL_SYSTEM_PROMPT = (
-    "You can call these tools:\n{tools}\n"
-    'To call a tool, reply with only a JSON object: {{"name": <tool name>, "arguments": <arguments object>}}. '
-    "Otherwise answer normally."
-)
 _MARKER = "\x00radixgen-marker\x00"
 
 

@@ -13,6 +13,7 @@ SmolLM2's ChatML) gets SmolLM2's documented format, with the tools described in 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -72,6 +73,31 @@ class CallFormat:
 
     def parser(self) -> CallParser:
         return CallParser(self)
+
+
+# ---- the scored call decision (the server's tool_decision and the DSL's run_tools) ---------
+
+BASELINE_QUESTION = "Hello."
+"""The content-free question a call's score is measured against."""
+DEFAULT_CALL_THRESHOLD = -1.0
+"""Nats by which a call's opening must be likelier after the question than after the baseline.
+Measured on SmolLM2-135M-Instruct with three tools (tests/api/test_tools_real.py's questions):
+questions a tool answers scored -4.9 to 7.1 (eight of ten at -1 or more), others -13.3 to -2.2."""
+
+
+def call_opening(fmt: CallFormat, name: str) -> str:
+    """The text that commits the model to calling ``name``, scored by the decision."""
+    return fmt.block_begin + '{"name": ' + json.dumps(name)
+
+
+def best_call(question: list[float], baseline: list[float], threshold: float) -> tuple[int, float, bool]:
+    """(the best tool's index, its gain, whether the gain reaches ``threshold``) from each tool's
+    call-opening log-probability after the question and after the baseline question."""
+    # a score that could not be taken (-inf) says nothing: its tool gains nothing
+    gains = [q - b if math.isfinite(q) and math.isfinite(b) else -math.inf
+             for q, b in zip(question, baseline, strict=True)]
+    gain, best = max((g, i) for i, g in enumerate(gains))
+    return best, gain, gain >= threshold and math.isfinite(gain)
 
 
 SMOLLM2 = CallFormat("smollm2", "<tool_call>", "<tool_call>[\n", "\n]</tool_call>", ",\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -152,6 +153,11 @@ async def _chat_stream(request: Request, req: ChatCompletionRequest, tools: Tool
         return sse(ChatCompletionChunk(id=base_id, created=created, model=model, choices=choices,
                                         usage=usage).model_dump(exclude_none=True))
 
+    # the common chunk (a choice's text, nothing else) is framed without building models: the
+    # same JSON chunk() gives, at a fraction of the cost per token
+    text_chunk = ('data: {"id":' + json.dumps(base_id) + ',"object":"chat.completion.chunk","created":' + str(created)
+                  + ',"model":' + json.dumps(model) + ',"choices":[{"index":')
+
     for i in range(len(jobs)):
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
     status = 200
@@ -178,6 +184,10 @@ async def _chat_stream(request: Request, req: ChatCompletionRequest, tools: Tool
             if tools.legacy:
                 deltas = [_as_function_call(d) for d in deltas]
                 reason = "function_call" if reason == "tool_calls" else reason
+            if len(deltas) == 1 and logprobs is None and not out.finished and deltas[0].content is not None and (
+                    deltas[0].model_fields_set == {"content"}):
+                yield f'{text_chunk}{i},"delta":{{"content":{json.dumps(deltas[0].content)}}}}}]}}\n\n'
+                continue
             for n, d in enumerate(deltas):
                 last = n == len(deltas) - 1
                 yield chunk([ChatChunkChoice(index=i, delta=d, finish_reason=reason if last else None,

@@ -26,10 +26,12 @@ from openai.types.responses import (
     ResponseFunctionToolCall,
     ResponseOutputMessage,
     ResponseOutputText,
+    ResponseReasoningItem,
     ResponseUsage,
 )
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
 
+from radixgen.api.chat import OutputReader
 from radixgen.api.protocol import ChatCompletionRequest, ResponsesRequest, ToolCall
 from radixgen.api.routes_chat import ChatPlan, plan_chat
 from radixgen.api.serving import (
@@ -149,14 +151,21 @@ def as_chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> Cha
     return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
 
 
-def _output_items(plan: ChatPlan, result: ChoiceResult, message_id: str) -> tuple[list[Any], list[ToolCall] | None]:
-    content, _, calls, _ = plan.tools.finish(result.text, result.finish_reason)
-    if calls:
-        return [ResponseFunctionToolCall(type="function_call", id=f"fc-{c.id}", call_id=c.id, name=c.function.name,
-                                         arguments=c.function.arguments, status="completed") for c in calls], calls
-    text = ResponseOutputText(type="output_text", text=content or "", annotations=[])
-    return [ResponseOutputMessage(type="message", id=message_id, role="assistant", status="completed",
-                                  content=[text])], None
+def _output_items(reader: OutputReader, finish_reason: str | None, message_id: str) -> tuple[list[Any], list[ToolCall] | None]:
+    """The response's output items from a finished reader: a reasoning item, the text message
+    (when there is text, or nothing else), then the function calls."""
+    content, thought, calls, _ = reader.result(finish_reason)
+    items: list[Any] = []
+    if thought:
+        items.append(ResponseReasoningItem(type="reasoning", id=f"rs-{message_id}", summary=[],
+                                           content=[{"type": "reasoning_text", "text": thought}]))  # type: ignore[list-item]
+    if content or not calls:
+        text = ResponseOutputText(type="output_text", text=content or "", annotations=[])
+        items.append(ResponseOutputMessage(type="message", id=message_id, role="assistant", status="completed",
+                                           content=[text]))
+    items += [ResponseFunctionToolCall(type="function_call", id=f"fc-{c.id}", call_id=c.id, name=c.function.name,
+                                       arguments=c.function.arguments, status="completed") for c in calls or []]
+    return items, calls
 
 
 def _response(req: ResponsesRequest, plan: ChatPlan, result: ChoiceResult, output: list[Any], created: float,
@@ -205,8 +214,11 @@ async def create_response(req: ResponsesRequest, request: Request) -> Any:
     results = await run_jobs(request, request.app.state.client, plan.jobs, "responses", started)
     if results is None:
         return JSONResponse({}, status_code=499)
-    output, calls = _output_items(plan, results[0], message_id)
-    _remember(request, req, history, results[0].text, calls, plan.base_id)
+    reader = plan.tools.reader()
+    reader.feed(results[0].text)
+    reader.finish()
+    output, calls = _output_items(reader, results[0].finish_reason, message_id)
+    _remember(request, req, history, reader.content, calls, plan.base_id)
     return _response(req, plan, results[0], output, created).model_dump(exclude_none=True)
 
 
@@ -227,8 +239,14 @@ async def _stream(request: Request, req: ResponsesRequest, plan: ChatPlan, histo
     empty = _response(req, plan, result, [], created, status="in_progress").model_dump(exclude_none=True)
     yield event("response.created", response=empty)
     yield event("response.in_progress", response=empty)
-    text_open = False
-    text = ""
+    # output items in the order they open: the reasoning item, the message, each function call
+    opened: list[tuple[str, int]] = []  # (kind, call index)
+    reasoning_id = f"rs-{message_id}"
+    pending_text = ""
+
+    def index_of(kind: str, call: int = -1) -> int:
+        return opened.index((kind, call))
+
     status = 200
     try:
         async for item in merge_streams(request.app.state.client, plan.jobs):
@@ -242,37 +260,64 @@ async def _stream(request: Request, req: ResponsesRequest, plan: ChatPlan, histo
             if out.finished:
                 deltas += reader.finish()
             for delta in deltas:
-                if delta.content:
-                    if not text_open:
-                        text_open = True
-                        yield event("response.output_item.added", output_index=0, item={
+                if delta.reasoning_content:
+                    if ("reasoning", -1) not in opened:
+                        opened.append(("reasoning", -1))
+                        yield event("response.output_item.added", output_index=index_of("reasoning"), item={
+                            "type": "reasoning", "id": reasoning_id, "summary": [], "status": "in_progress"})
+                    yield event("response.reasoning_text.delta", item_id=reasoning_id,
+                                output_index=index_of("reasoning"), content_index=0, delta=delta.reasoning_content)
+                text = pending_text + (delta.content or "")
+                if ("message", -1) not in opened and text and not text.strip():
+                    pending_text = text  # whitespace between calls opens no message
+                elif text:
+                    pending_text = ""
+                    if ("message", -1) not in opened:
+                        opened.append(("message", -1))
+                        yield event("response.output_item.added", output_index=index_of("message"), item={
                             "type": "message", "id": message_id, "role": "assistant", "status": "in_progress",
                             "content": []})
-                        yield event("response.content_part.added", item_id=message_id, output_index=0,
-                                    content_index=0, part={"type": "output_text", "text": "", "annotations": []})
-                    text += delta.content
-                    yield event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
-                                delta=delta.content, logprobs=[])
-        output, calls = _output_items(plan, result, message_id)
-        if text_open and not calls:
-            yield event("response.output_text.done", item_id=message_id, output_index=0, content_index=0,
-                        text=text, logprobs=[])
-            yield event("response.content_part.done", item_id=message_id, output_index=0, content_index=0,
-                        part={"type": "output_text", "text": text, "annotations": []})
-        for index, item_out in enumerate(output):
-            done = item_out.model_dump(exclude_none=True)
-            if item_out.type == "function_call":
-                yield event("response.output_item.added", output_index=index,
-                            item={**done, "arguments": "", "status": "in_progress"})
-                yield event("response.function_call_arguments.delta", item_id=item_out.id, output_index=index,
-                            delta=item_out.arguments)
-                yield event("response.function_call_arguments.done", item_id=item_out.id, output_index=index,
-                            name=item_out.name, arguments=item_out.arguments)
-            elif not text_open:
-                yield event("response.output_item.added", output_index=index, item={**done, "content": [],
-                                                                                      "status": "in_progress"})
-            yield event("response.output_item.done", output_index=index, item=done)
-        _remember(request, req, history, result.text, calls, plan.base_id)
+                        yield event("response.content_part.added", item_id=message_id,
+                                    output_index=index_of("message"), content_index=0,
+                                    part={"type": "output_text", "text": "", "annotations": []})
+                    yield event("response.output_text.delta", item_id=message_id, output_index=index_of("message"),
+                                content_index=0, delta=text, logprobs=[])
+                for call in delta.tool_calls or []:
+                    number = call["index"]
+                    if "id" in call:
+                        opened.append(("call", number))
+                        yield event("response.output_item.added", output_index=index_of("call", number), item={
+                            "type": "function_call", "id": f"fc-{call['id']}", "call_id": call["id"],
+                            "name": call["function"]["name"], "arguments": "", "status": "in_progress"})
+                    if call["function"].get("arguments"):
+                        yield event("response.function_call_arguments.delta",
+                                    item_id=f"fc-{reader.calls[number].id}", output_index=index_of("call", number),
+                                    delta=call["function"]["arguments"])
+        items, calls = _output_items(reader, result.finish_reason, message_id)
+        by_kind: dict[tuple[str, int], Any] = {}
+        for it in items:
+            number = sum(key[0] == "call" for key in by_kind) if it.type == "function_call" else -1
+            by_kind[("call" if it.type == "function_call" else it.type, number)] = it
+        if not opened or (("message", -1) in by_kind and ("message", -1) not in opened):
+            opened.append(("message", -1))  # an empty answer still has its (empty) message
+            yield event("response.output_item.added", output_index=index_of("message"), item={
+                "type": "message", "id": message_id, "role": "assistant", "status": "in_progress", "content": []})
+        output = [by_kind[key] for key in opened]
+        for index, (kind, _) in enumerate(opened):
+            done = output[index]
+            if kind == "reasoning":
+                yield event("response.reasoning_text.done", item_id=reasoning_id, output_index=index, content_index=0,
+                            text=reader.reasoning)
+            elif kind == "message" and reader.content:
+                yield event("response.output_text.done", item_id=message_id, output_index=index, content_index=0,
+                            text=reader.content, logprobs=[])
+                yield event("response.content_part.done", item_id=message_id, output_index=index, content_index=0,
+                            part={"type": "output_text", "text": reader.content, "annotations": []})
+            elif kind == "call":
+                yield event("response.function_call_arguments.done", item_id=done.id, output_index=index,
+                            name=done.name, arguments=done.arguments)
+            yield event("response.output_item.done", output_index=index, item=done.model_dump(exclude_none=True))
+        _remember(request, req, history, reader.content, calls, plan.base_id)
         final = _response(req, plan, result, output, created).model_dump(exclude_none=True)
         yield event("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
     except asyncio.CancelledError:

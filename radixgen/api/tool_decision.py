@@ -18,16 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import uuid
 from collections import OrderedDict
 from typing import Any
 
+from radixgen import tool_formats
 from radixgen.api.chat import ChatFormat, ToolPlan, chat_prompt_ids
 from radixgen.api.engine_client import EngineClient
 from radixgen.api.protocol import ChatCompletionRequest, Tool
 from radixgen.engine.request import SamplingParams
 
-_BASELINE_QUESTION = "Hello."
+logger = logging.getLogger(__name__)
+
 _BASELINE_CACHE = 256
 _COST_MARGIN_TOKENS = 8
 
@@ -52,19 +56,22 @@ class CallScorer:
         names = [t.function.name for t in plan.tools]
         baseline_req = req.model_copy(update={"messages": [
             *(m for m in req.messages if m.role in ("system", "developer")),
-            req.messages[-1].model_copy(update={"content": _BASELINE_QUESTION})]})
+            req.messages[-1].model_copy(update={"content": tool_formats.BASELINE_QUESTION})]})
         baseline_ids = await asyncio.to_thread(chat_prompt_ids, self.tokenizer, baseline_req, "auto", self.fmt)
         key = tuple(baseline_ids)
         baseline = self._baselines.get(key)
         question, fresh = await asyncio.gather(self._scores(prompt_ids, names),
                                                self._scores(baseline_ids, names) if baseline is None else _done(baseline))
-        if baseline is None:
-            baseline = self._baselines[key] = fresh
-            if len(self._baselines) > _BASELINE_CACHE:
-                self._baselines.popitem(last=False)
-        self._baselines.move_to_end(key)
-        gain, best = max((q - b, i) for i, (q, b) in enumerate(zip(question, baseline, strict=True)))
-        if gain < threshold or (max_tokens is not None and max_tokens < self._least_cost(plan.tools[best])):
+        if baseline is not None:
+            self._baselines.move_to_end(key)
+        else:
+            baseline = fresh
+            if all(math.isfinite(v) for v in fresh):  # a failed score is not remembered
+                self._baselines[key] = fresh
+                if len(self._baselines) > _BASELINE_CACHE:
+                    self._baselines.popitem(last=False)
+        best, _, wanted = tool_formats.best_call(question, baseline, threshold)
+        if not wanted or (max_tokens is not None and max_tokens < self._least_cost(plan.tools[best])):
             return None  # "auto" never fails for want of room: a call that cannot fit becomes text
         return plan.tools[best]
 
@@ -80,16 +87,21 @@ class CallScorer:
         calls = self.fmt.calls
         jobs = []
         for name in names:
-            opening = self.tokenizer.encode(calls.block_begin + '{"name": ' + json.dumps(name), add_special_tokens=False)
+            opening = self.tokenizer.encode(tool_formats.call_opening(calls, name), add_special_tokens=False)
             params = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprob_start=len(prefix))
             jobs.append(self._score(prefix + opening, params))
         return list(await asyncio.gather(*jobs))
 
     async def _score(self, ids: list[int], params: SamplingParams) -> float:
+        """The opening's log-probability; -inf (no call) when it cannot be scored, so a failed
+        decision leaves the turn to the model instead of failing the request."""
+        if len(ids) + 1 > self.client.info["max_context_len"]:
+            return float("-inf")  # the request itself is then refused (or fits without the opening)
         logprobs: list[float] = []
         async for out in self.client.generate(f"score-{uuid.uuid4().hex[:16]}", ids, params, stream=False):
             if out.error is not None:
-                raise RuntimeError(out.error)
+                logger.warning("scoring a tool call failed: %s", out.error)
+                return float("-inf")
             if out.finished:
                 logprobs = out.prompt_logprobs or []
         return float(sum(logprobs))

@@ -2,16 +2,21 @@
 
 ``tool(fn)`` reads the function's annotations (or its single pydantic-model parameter) into a
 pydantic model of its arguments and its docstring into a description. ``run_tools`` asks the
-model a question with the tools described the way ``radixgen serve`` describes them to models
-whose chat template knows no tools, then per turn:
+model a question with the tools described as ``radixgen serve`` describes them to models whose
+chat template knows no tools (``tool_formats.GENERIC``, SmolLM2's documented format), then per
+turn:
 
-- decides whether the model calls a tool: its own greedy first token of the reply, in a fork
-  that shares the prefix (``{`` opens a call), unless a call is required;
+- decides whether the model calls a tool, as the server decides for ``tool_choice="auto"``
+  (``api/tool_decision.py``): each tool's call opening is scored after the question and after a
+  content-free one; the best tool's gain must reach the threshold (a call is required on the
+  first turn with ``tool_choice="required"``; after a tool's result the model answers);
 - picks the tool with ``select`` over the tool names (the model's scores);
 - generates the arguments under the tool's JSON schema, with the pydantic validators running in
-  the decode loop (an out-of-range value is rolled back and resampled, not returned);
-- runs the function and appends its result as a ``tool`` message; the model goes on until it
-  answers or ``max_calls`` is reached (then it must answer).
+  the decode loop (an out-of-range value is rolled back and resampled, not returned), framed as
+  the format writes a call;
+- runs the function and appends its result the way the server shows a tool's result to such a
+  model (a user message in ``<tool_response>`` tags); the model goes on until it answers or
+  ``max_calls`` is reached (then it must answer).
 """
 
 from __future__ import annotations
@@ -26,11 +31,11 @@ from typing import Any
 
 from pydantic import BaseModel, create_model
 
+from radixgen import tool_formats
 from radixgen.lang.backends import Backend
 from radixgen.lang.ir import gen, select
 from radixgen.lang.program import function
 from radixgen.lang.state import ProgramState
-from radixgen.templates import TOOL_SYSTEM_PROMPT
 
 
 @dataclass(frozen=True)
@@ -112,44 +117,59 @@ def _as_tools(tools: Sequence[Tool | Callable[..., Any]]) -> list[Tool]:
     return made
 
 
-def _describe(tools: list[Tool]) -> str:
-    return "\n".join(json.dumps(t.openai()["function"]) for t in tools)
+def _wants_call(s: ProgramState, question: str, system: str, tools: list[Tool], threshold: float) -> bool:
+    """The scored decision (see the module docstring), with this state's role markers."""
+    fmt = tool_formats.GENERIC
+    markers = s.backend.markers
+    baseline = (markers.first_prefix["system"] + system + markers.suffix["system"] + markers.prefix["user"]
+                + tool_formats.BASELINE_QUESTION + markers.suffix["user"] + markers.prefix["assistant"])
+    openings = [tool_formats.call_opening(fmt, t.name) for t in tools]
+
+    def sums(prefix: str) -> list[float]:
+        return [float(sum(r.prompt_logprobs or ())) for r in s.backend.score_choices(prefix, openings)]
+
+    _, _, wanted = tool_formats.best_call(sums(s.text()), sums(baseline), threshold)
+    return wanted
 
 
 @function
 def _tool_loop(s: ProgramState, question: str, tools: list[Tool], system: str | None, tool_choice: str,
-               max_calls: int, max_tokens: int, calls: list[ToolCallRecord]) -> None:
+               max_calls: int, max_tokens: int, calls: list[ToolCallRecord], threshold: float) -> None:
+    fmt = tool_formats.GENERIC
     by_name = {t.name: t for t in tools}
+    described = (system + "\n\n" if system else "") + fmt.system_prompt([t.openai()["function"] for t in tools])
     with s.system():
-        s += (system + "\n\n" if system else "") + TOOL_SYSTEM_PROMPT.format(tools=_describe(tools))
+        s += described
     with s.user():
         s += question
     for turn in range(max_calls + 1):
         with s.assistant():
-            if turn == max_calls or tool_choice == "none":
-                wants_call = False
-            elif tool_choice == "required" and turn == 0:
+            if turn > 0 or turn == max_calls or tool_choice == "none":
+                wants_call = False  # after a tool's result the model answers
+            elif tool_choice == "required":
                 wants_call = True
-            else:  # the model's own first token decides; the fork's prefix comes from the cache
-                probe = s.fork(1)[0]
-                probe += gen("opening", max_tokens=1, temperature=0.0)
-                wants_call = probe["opening"].lstrip().startswith("{")
+            else:
+                wants_call = _wants_call(s, question, described, tools, threshold)
             if not wants_call:
                 s += gen("answer", max_tokens=max_tokens)
                 return
-            s += '{"name": "' + select(f"tool_{turn}", [t.name for t in tools]) + '", "arguments": '
+            s += fmt.block_begin + '{"name": "' + select(f"tool_{turn}", [t.name for t in tools])
+            s += '", "' + fmt.arguments_key + '": '
             chosen = by_name[s[f"tool_{turn}"]]
-            s += gen(f"arguments_{turn}", json_schema=chosen.parameters, max_tokens=max_tokens) + "}"
+            s += gen(f"arguments_{turn}", json_schema=chosen.parameters, max_tokens=max_tokens)
+            s += fmt.call_end + fmt.block_end
         arguments = s[f"arguments_{turn}"]
         result = chosen.call(arguments)
         calls.append(ToolCallRecord(chosen.name, arguments, result))
-        with s.tool():
-            s += result if isinstance(result, str) else json.dumps(result, default=str)
+        with s.user():
+            shown = result if isinstance(result, str) else json.dumps(result, default=str)
+            s += f"<tool_response>\n{shown}\n</tool_response>"
 
 
 def run_tools(question: str, tools: Sequence[Tool | Callable[..., Any]], *, backend: Backend | None = None,
               system: str | None = None, tool_choice: str = "auto", max_calls: int = 3, max_tokens: int = 128,
-              seed: int | None = None, temperature: float = 0.0) -> ToolRun:
+              seed: int | None = None, temperature: float = 0.0,
+              threshold: float = tool_formats.DEFAULT_CALL_THRESHOLD) -> ToolRun:
     """Answer ``question`` letting the model call ``tools`` (functions or Tools) first.
     ``tool_choice``: "auto" (the model decides), "required" (the first turn calls a tool) or
     "none"."""
@@ -157,6 +177,6 @@ def run_tools(question: str, tools: Sequence[Tool | Callable[..., Any]], *, back
         raise ValueError(f"tool_choice must be 'auto', 'required' or 'none', got {tool_choice!r}")
     made = _as_tools(tools)
     calls: list[ToolCallRecord] = []
-    state = _tool_loop.run(question, made, system, tool_choice, max_calls, max_tokens, calls,
+    state = _tool_loop.run(question, made, system, tool_choice, max_calls, max_tokens, calls, threshold,
                            backend=backend, seed=seed, temperature=temperature)
     return ToolRun(answer=state["answer"], calls=calls, state=state)

@@ -50,3 +50,27 @@ def test_reader_splits_reasoning_content_and_calls() -> None:
     assert calls is not None and [(c.function.name, c.function.arguments) for c in calls] == [
         ("get_weather", '{"city": "Oslo"}')]
     assert plan.finish(text, "length")[3] == "length"
+
+
+def test_coalesced_outputs_carry_both_pieces_and_the_later_final_state() -> None:
+    from radixgen.api.serving import coalesce
+    from radixgen.engine.request import FinishReason, RequestOutput
+
+    first = RequestOutput("r", [5], "He", False, new_logprobs=[-0.5], new_top_logprobs=[[(5, -0.5)]])
+    last = RequestOutput("r", [6, 7], "llo", True, finish_reason=FinishReason.STOP, new_logprobs=[-1.0, -2.0],
+                         new_top_logprobs=[[(6, -1.0)], [(7, -2.0)]], output_ids=[5, 6, 7], text="Hello")
+    both = coalesce(first, last)
+    assert (both.new_token_ids, both.new_text, both.new_logprobs) == ([5, 6, 7], "Hello", [-0.5, -1.0, -2.0])
+    assert both.new_top_logprobs == [[(5, -0.5)], [(6, -1.0)], [(7, -2.0)]]
+    assert both.finished and both.finish_reason is FinishReason.STOP and both.output_ids == [5, 6, 7]
+    plain = coalesce(RequestOutput("r", [1], "a", False), RequestOutput("r", [2], "b", False))
+    assert plain.new_logprobs is None and plain.new_top_logprobs is None and plain.new_text == "ab"
+
+
+def test_a_score_that_could_not_be_taken_never_makes_a_call() -> None:
+    from radixgen.tool_formats import best_call
+
+    assert best_call([-5.0, -2.0], [-6.0, -9.0], -1.0) == (1, 7.0, True)
+    assert best_call([-5.0, float("-inf")], [-6.0, -9.0], -1.0) == (0, 1.0, True)
+    assert best_call([-5.0, -2.0], [float("-inf"), float("-inf")], -1.0)[2] is False
+    assert best_call([-9.0], [-6.0], -1.0) == (0, -3.0, False)

@@ -60,3 +60,15 @@ def test_pydantic_ai_agents(server: LiveServer) -> None:
     structured = Agent(model, output_type=Paint, model_settings=settings)  # type: ignore[arg-type]
     assert isinstance(structured.run_sync(PROMPT).output, Paint)
 
+
+
+def test_instructor_tools_and_json_schema_modes(server: LiveServer) -> None:
+    import instructor
+    import openai
+
+    raw = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
+        client = instructor.from_openai(raw, mode=mode)
+        painted = client.chat.completions.create(model="tiny", response_model=Paint, max_retries=0, max_tokens=40,
+                                                 messages=[{"role": "user", "content": PROMPT}])
+        assert isinstance(painted, Paint), mode

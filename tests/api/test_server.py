@@ -472,13 +472,26 @@ def test_responses_api_through_the_openai_client(server: LiveServer) -> None:
 
     tool = {"type": "function", "name": "paint", "description": "Paint a wall", "parameters": COLOR, "strict": True}
     called = c.responses.create(model="tiny", input="Paint the wall.", tools=[tool], max_output_tokens=40,
-                                tool_choice={"type": "function", "name": "paint"})
+                                temperature=0, tool_choice={"type": "function", "name": "paint"})
     (call,) = [item for item in called.output if item.type == "function_call"]
     assert call.name == "paint"
     jsonschema.validate(json.loads(call.arguments), COLOR)
     answered = c.responses.create(model="tiny", previous_response_id=called.id, max_output_tokens=8, tools=[tool],
                                   input=[{"type": "function_call_output", "call_id": call.call_id, "output": "done"}])
     assert answered.output and answered.usage is not None and answered.usage.input_tokens_details.cached_tokens > 0
+
+    # streamed, the call's arguments arrive as deltas (coalesced when the front is behind the
+    # engine, as with this tiny model) that add up to the final item's
+    with c.responses.stream(model="tiny", input="Paint the wall.", tools=[tool], max_output_tokens=40, temperature=0,
+                            tool_choice={"type": "function", "name": "paint"}) as stream:
+        events = list(stream)
+    fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    (final,) = [e.response for e in events if e.type == "response.completed"]
+    (streamed_call,) = [item for item in final.output if item.type == "function_call"]
+    assert fragments and "".join(fragments) == done.arguments == streamed_call.arguments
+    assert streamed_call.arguments == call.arguments  # the same greedy call as the non-streamed one
+    assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
 def test_logprob_bytes_are_the_tokens_own_and_completion_streams_carry_logprobs(server: LiveServer) -> None:

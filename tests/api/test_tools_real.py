@@ -69,7 +69,7 @@ def test_auto_calls_validate_and_most_tool_questions_call(bundled: LiveServer, t
     calling = 0
     for seed, question in enumerate(NEEDS_TOOL):
         choice = c.chat.completions.create(model="default", messages=[{"role": "user", "content": question}],
-                                           tools=TOOLS, temperature=temperature, seed=seed, max_tokens=120).choices[0]
+                                           tools=TOOLS, temperature=temperature, seed=seed, max_tokens=64).choices[0]
         if choice.message.tool_calls:
             assert choice.finish_reason == "tool_calls"
             _valid(choice.message.tool_calls)
@@ -136,3 +136,4 @@ def test_pydantic_ai_agent_calls_its_tool(bundled: LiveServer) -> None:
     result = agent.run_sync("What's the weather in Lisbon right now?")
     assert asked and all(isinstance(city, str) and city for city in asked)
     assert isinstance(result.output, str) and result.output
+

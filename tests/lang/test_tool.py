@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import pytest
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from radixgen import Engine
+from radixgen import Engine, tool_formats
 from radixgen.lang import Runtime, run_tools, tool
 
 
@@ -78,10 +78,14 @@ def test_required_call_runs_the_function_with_validated_arguments(runtime: Runti
     assert isinstance(run.answer, str)
     assert run.state is not None
     messages = run.state.messages()
-    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
-    sent = json.loads(messages[2]["content"])
-    assert sent == {"name": "lookup_order", "arguments": arguments.model_dump()}
-    assert json.loads(messages[3]["content"]) == {"status": "shipped", "order_id": arguments.order_id}
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
+    # the call is written in the server's generic format, so the same parser reads it back
+    content, (sent,) = tool_formats.parse(tool_formats.GENERIC, messages[2]["content"])
+    assert content == "" and sent.name == "lookup_order" and json.loads(sent.arguments) == arguments.model_dump()
+    shown = messages[3]["content"]
+    assert shown.startswith("<tool_response>") and shown.endswith("</tool_response>")
+    assert json.loads(shown.removeprefix("<tool_response>").removesuffix("</tool_response>")) == {
+        "status": "shipped", "order_id": arguments.order_id}
     assert "lookup_order" in messages[0]["content"], "the tools are described to the model"
 
 
@@ -112,3 +116,13 @@ def test_tool_choice_none_answers_directly(runtime: Runtime) -> None:
 def _echo(text: Annotated[str, Field(max_length=8)]) -> str:
     """Echo the text."""
     return text
+
+
+def test_auto_calls_when_the_scored_gain_reaches_the_threshold(runtime: Runtime) -> None:
+    # the gain of a real question over the baseline is a finite number: a threshold below any
+    # gain always calls, one above any never does (the tiny model's gains mean nothing else)
+    always = run_tools("Echo hi", [_echo], backend=runtime, max_tokens=30, threshold=float("-inf"))
+    assert [c.name for c in always.calls] == ["_echo"]
+    never = run_tools("Echo hi", [_echo], backend=runtime, max_tokens=4, threshold=float("inf"))
+    assert never.calls == [] and never.state is not None
+    assert [m["role"] for m in never.state.messages()] == ["system", "user", "assistant"]
