@@ -54,8 +54,9 @@ print(json.dumps(get_weather.schema(), indent=1))
 # %% [markdown]
 # ## The loop with the DSL
 #
-# `tool_choice="required"` makes the first turn a call; after the tool's result the model
-# decides itself (its own first token: `{` opens another call) and answers.
+# `tool_choice="required"` makes the first turn a call (with "auto", the server's scored
+# decision would make it: the call's opening scored after the question against a content-free
+# one); after the tool's result the model answers.
 
 # %%
 run = run_tools("What's the weather like in Paris right now?", [get_weather, get_local_time],

@@ -28,6 +28,7 @@ from radixgen.errors import EngineDeadError, OverloadedError
 logger = logging.getLogger(__name__)
 
 _DEAD = object()  # queue sentinel: the engine went away
+_SHUTDOWN_SEND_S = 5.0
 
 
 class EngineClient:
@@ -88,8 +89,11 @@ class EngineClient:
 
     async def shutdown(self) -> None:
         self._closing = True
-        with contextlib.suppress(zmq.ZMQError):
-            await self._to_engine.send_pyobj(("shutdown", None))
+        # a PUSH socket without a live peer blocks the send: a dead engine held the server's
+        # shutdown until its supervisor killed it (30 s in the tests)
+        if self._process is not None and self._process.is_alive():
+            with contextlib.suppress(zmq.ZMQError, asyncio.TimeoutError):
+                await asyncio.wait_for(self._to_engine.send_pyobj(("shutdown", None)), _SHUTDOWN_SEND_S)
         if self._process is not None:
             await asyncio.to_thread(self._process.join, 20)
             if self._process.is_alive():

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import openai
@@ -214,7 +215,9 @@ def test_engine_death_gives_503_not_a_hang(start_server: Callable[..., LiveServe
     assert time.monotonic() - start < 30
     assert httpx.get(srv.url + "/health").status_code == 503
     assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}).status_code == 503
-    srv.stop()
+    stopping = time.monotonic()
+    srv.stop()  # a dead engine does not hold the server's shutdown (it waited for the kill, 30 s)
+    assert time.monotonic() - stopping < 10 and srv.proc.returncode != -signal.SIGKILL
 
 
 def test_a_crashed_engine_is_restarted_and_serves_again(start_server: Callable[..., LiveServer]) -> None:
@@ -510,3 +513,27 @@ def test_logprob_bytes_are_the_tokens_own_and_completion_streams_carry_logprobs(
     whole = c.completions.create(model="tiny", prompt="Count:", max_tokens=5, temperature=0, logprobs=1).choices[0].logprobs
     assert [t for tokens, _ in pieces for t in tokens] == whole.tokens
     assert [v for _, values in pieces for v in values] == pytest.approx(whole.token_logprobs)
+
+
+def test_streams_carry_top_logprobs_and_every_choice_of_n(server: LiveServer) -> None:
+    c = client(server)
+    kwargs: dict[str, Any] = dict(model="tiny", messages=CHAT, max_tokens=8, temperature=0.8, seed=11, n=2,
+                                  logprobs=True, top_logprobs=3)
+    whole = c.chat.completions.create(**kwargs)
+    texts: dict[int, str] = {}
+    tokens: dict[int, list[Any]] = {}
+    reasons: dict[int, str | None] = {}
+    for chunk in c.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            tokens.setdefault(choice.index, []).extend(choice.logprobs.content if choice.logprobs else [])
+            reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+    assert sorted(texts) == [0, 1]
+    for choice in whole.choices:
+        i = choice.index
+        assert texts[i] == choice.message.content and reasons[i] == choice.finish_reason
+        streamed = [(t.token, round(t.logprob, 4), [(x.token, round(x.logprob, 4)) for x in t.top_logprobs])
+                    for t in tokens[i]]
+        expected = [(t.token, round(t.logprob, 4), [(x.token, round(x.logprob, 4)) for x in t.top_logprobs])
+                    for t in choice.logprobs.content]
+        assert streamed == expected and all(len(top) == 3 for _, _, top in streamed)

@@ -65,11 +65,20 @@ def _valid(calls: Any) -> None:
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_auto_calls_validate_and_most_tool_questions_call(bundled: LiveServer, temperature: float) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
     c = _client(bundled)
+
+    def ask(seed_and_question: tuple[int, str]) -> Any:
+        seed, question = seed_and_question
+        return c.chat.completions.create(model="default", messages=[{"role": "user", "content": question}],
+                                         tools=TOOLS, temperature=temperature, seed=seed, max_tokens=64).choices[0]
+
+    # all at once, as an agent fleet sends them: the server batches them
+    with ThreadPoolExecutor(len(NEEDS_TOOL) + len(NEEDS_NO_TOOL)) as pool:
+        answers = list(pool.map(ask, enumerate(NEEDS_TOOL + NEEDS_NO_TOOL)))
     calling = 0
-    for seed, question in enumerate(NEEDS_TOOL):
-        choice = c.chat.completions.create(model="default", messages=[{"role": "user", "content": question}],
-                                           tools=TOOLS, temperature=temperature, seed=seed, max_tokens=64).choices[0]
+    for choice in answers[: len(NEEDS_TOOL)]:
         if choice.message.tool_calls:
             assert choice.finish_reason == "tool_calls"
             _valid(choice.message.tool_calls)
@@ -77,9 +86,7 @@ def test_auto_calls_validate_and_most_tool_questions_call(bundled: LiveServer, t
         else:
             assert choice.message.content
     assert calling >= len(NEEDS_TOOL) // 2
-    for question in NEEDS_NO_TOOL:
-        choice = c.chat.completions.create(model="default", messages=[{"role": "user", "content": question}],
-                                           tools=TOOLS, temperature=0, max_tokens=40).choices[0]
+    for choice in answers[len(NEEDS_TOOL):]:
         assert choice.message.tool_calls is None and choice.message.content
 
 
