@@ -28,23 +28,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_json  # noqa: E402
 
-TOOLS: list[Any] = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                      "parameters": {"type": "object", "properties": {
-                                          "city": {"type": "string"},
-                                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                                          "required": ["city"]}}},
-    {"type": "function", "function": {"name": "convert_currency", "description": "Convert an amount between currencies",
-                                      "parameters": {"type": "object", "properties": {
-                                          "amount": {"type": "number"}, "from_currency": {"type": "string"},
-                                          "to_currency": {"type": "string"}},
-                                          "required": ["amount", "from_currency", "to_currency"]}}},
-    {"type": "function", "function": {"name": "create_event", "description": "Add an event to the calendar",
-                                      "parameters": {"type": "object", "properties": {
-                                          "title": {"type": "string"}, "date": {"type": "string", "format": "date"},
-                                          "duration_minutes": {"type": "integer", "minimum": 1}},
-                                          "required": ["title", "date"]}}},
-]
+ROOT = Path(__file__).resolve().parent.parent
+
+TOOLS: list[Any] = json.loads((ROOT / "tests" / "data" / "agent_tools.json").read_text())  # shared with the tests
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 TASKS = [
     "How warm is it in Madrid today?", "Do I need an umbrella in London?", "Weather report for Sydney, in celsius.",

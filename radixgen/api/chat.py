@@ -81,11 +81,11 @@ def chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, mode: str, fmt: 
         content = _message_text(m.content)
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.tool_calls:
+            arguments = [_arguments(tc.function.arguments) for tc in m.tool_calls]  # each must be JSON
             if native:
                 msg["tool_calls"] = [{"id": tc.id, "type": "function", "function": {
-                    "name": tc.function.name, "arguments": _arguments(tc.function.arguments)}} for tc in m.tool_calls]
+                    "name": tc.function.name, "arguments": args}} for tc, args in zip(m.tool_calls, arguments, strict=True)]
             else:  # show the model its own earlier calls in the format it is asked to use
-                _arguments(m.tool_calls[0].function.arguments)
                 msg["content"] = content + fmt.calls.render_calls(
                     [(tc.function.name, tc.function.arguments or "{}") for tc in m.tool_calls])
         if m.role == "tool" and not native:  # SmolLM2's documented layout of a tool's result

@@ -53,7 +53,8 @@ def structural_spec(structure: Any) -> ConstraintSpec:
     else:
         calls = structure["tool_calls"]
         _strings(calls, "structural.tool_calls", ("trigger", "block_begin", "block_end"))
-        if not calls["trigger"] or not calls["block_begin"].startswith(calls["trigger"]) and calls["block_begin"]:
+        begins_with_trigger = not calls["block_begin"] or calls["block_begin"].startswith(calls["trigger"])
+        if not calls["trigger"] or not begins_with_trigger:
             raise InvalidConstraintError("structural.tool_calls.trigger must be a non-empty prefix of block_begin")
         if not isinstance(calls.get("calls"), list) or not calls["calls"]:
             raise InvalidConstraintError("structural.tool_calls.calls must be a non-empty list")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -16,23 +17,9 @@ from tests.api.conftest import LiveServer
 
 pytestmark = pytest.mark.real_model
 
-TOOLS: list[Any] = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                      "parameters": {"type": "object", "properties": {
-                                          "city": {"type": "string"},
-                                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                                          "required": ["city"]}}},
-    {"type": "function", "function": {"name": "convert_currency", "description": "Convert an amount between currencies",
-                                      "parameters": {"type": "object", "properties": {
-                                          "amount": {"type": "number"}, "from_currency": {"type": "string"},
-                                          "to_currency": {"type": "string"}},
-                                          "required": ["amount", "from_currency", "to_currency"]}}},
-    {"type": "function", "function": {"name": "create_event", "description": "Add an event to the calendar",
-                                      "parameters": {"type": "object", "properties": {
-                                          "title": {"type": "string"}, "date": {"type": "string", "format": "date"},
-                                          "duration_minutes": {"type": "integer", "minimum": 1}},
-                                          "required": ["title", "date"]}}},
-]
+TOOLS: list[Any] = json.loads((Path(__file__).resolve().parents[1] / "data" / "agent_tools.json").read_text())
+"""Weather, currency conversion, calendar: three tools with different schemas (shared with
+benchmarks/bench_tools.py)."""
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 NEEDS_TOOL = [
     "What's the weather in Lisbon right now, in celsius?", "Convert 100 US dollars to euros.",
