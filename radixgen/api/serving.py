@@ -27,7 +27,6 @@ from radixgen.engine.request import FinishReason, RequestOutput, SamplingParams
 from radixgen.errors import InvalidParamsError, PromptTooLongError
 
 _KEEPALIVE_S = 10.0
-_DISCONNECT_POLL_S = 0.25
 
 
 class ClientGone(Exception):
@@ -161,16 +160,29 @@ def apply(result: ChoiceResult, out: RequestOutput, streamed: bool) -> None:
         result.shortened = out.shortened
 
 
+async def client_gone(request: Request) -> None:
+    """Return when the ASGI server says the client went away. The body has been read, so the
+    next message is ``http.disconnect`` (sent at once when the connection drops, or when the
+    response is complete); waiting on it sees a dropped client without polling."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def until_done_or_gone(request: Request, tasks: list[asyncio.Task[Any]]) -> list[Any]:
     """Wait for the tasks; if the client disconnects first, cancel them (aborting in the engine)."""
-    pending = set(tasks)
-    while pending:
-        _, pending = await asyncio.wait(pending, timeout=_DISCONNECT_POLL_S)
-        if pending and await request.is_disconnected():
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            raise ClientGone()
+    watcher = asyncio.create_task(client_gone(request))
+    pending: set[asyncio.Future[Any]] = set(tasks)
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending | {watcher}, return_when=asyncio.FIRST_COMPLETED)
+            pending -= done
+            if watcher in done and pending:
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                raise ClientGone()
+    finally:
+        watcher.cancel()
     return [t.result() for t in tasks]
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from radixgen.cluster.routing import Router
 from radixgen.config import EngineConfig
-from radixgen.engine.simulator import CostModel, ReplicaSim, TraceRequest, _sim_outputs, _tokens
+from radixgen.engine.simulator import CostModel, ReplicaSim, TraceRequest, _sim_outputs, trace_tokens
 
 
 @dataclass
@@ -84,18 +84,18 @@ def multi_tenant_trace(
     multi-turn sessions that resend their whole history with each follow-up."""
     rng = random.Random(seed)
     weights = [1.0 / (rank + 1) ** zipf for rank in range(num_tenants)]
-    systems = [_tokens(f"tenant:{t}", rng.randint(*system_len)) for t in range(num_tenants)]
+    systems = [trace_tokens(f"tenant:{t}", rng.randint(*system_len)) for t in range(num_tenants)]
     sessions: list[list[int]] = []
     trace, clock = [], 0.0
     for i in range(num_requests):
         clock += rng.expovariate(rate)
         if sessions and rng.random() < follow_up_share:
             s = rng.randrange(len(sessions))
-            prompt = sessions[s] + _sim_outputs(rng.randint(*output_len)) + _tokens(f"turn:{i}", rng.randint(*question_len))
+            prompt = sessions[s] + _sim_outputs(rng.randint(*output_len)) + trace_tokens(f"turn:{i}", rng.randint(*question_len))
             sessions[s] = prompt
         else:
             tenant = rng.choices(range(num_tenants), weights)[0]
-            prompt = systems[tenant] + _tokens(f"q:{i}", rng.randint(*question_len))
+            prompt = systems[tenant] + trace_tokens(f"q:{i}", rng.randint(*question_len))
             sessions.append(prompt)
         trace.append(TraceRequest(clock, prompt, rng.randint(*output_len)))
     return trace

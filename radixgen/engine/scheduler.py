@@ -32,16 +32,38 @@ from radixgen.radix import RadixTree
 
 logger = logging.getLogger(__name__)
 
-# Decode room reserved per running request when admitting new ones: a fraction of what it may
-# still generate, clipped. Over-commit is safe (retraction), under-use wastes batch slots.
-_RESERVE_CLIP = 256
+# Decode room reserved per running request when admitting new ones: half of what it may still
+# generate, up to a horizon. Over-commit is safe (retraction) but costs the retracted requests'
+# recompute; under-use wastes batch slots. The horizon doubles on each retraction (long outputs
+# would otherwise be admitted, retracted and admitted again) and decays back to its base while
+# steps pass without one, as SGLang's new-token ratio does.
 _RESERVE_RATIO = 0.5
+_RESERVE_HORIZON_BASE = 128
+_RESERVE_HORIZON_DECAY = 1 / 512  # per decode step: the excess halves in ~350 steps
 # Past this queue length, lpm falls back to fcfs (matching every waiting prompt costs time).
 _LPM_MAX_QUEUE = 128
 
 
-def _reserve(req: Request) -> int:
-    return int(min(req.params.max_new_tokens - len(req.output_ids), _RESERVE_CLIP) * _RESERVE_RATIO)
+class DecodeReserve:
+    """How much KV room admission keeps for each running request's next tokens."""
+
+    def __init__(self, max_horizon: int) -> None:
+        self.horizon = float(_RESERVE_HORIZON_BASE)
+        self.max_horizon = max(max_horizon, _RESERVE_HORIZON_BASE)
+
+    def of(self, req: Request) -> int:
+        remaining = req.params.max_new_tokens - len(req.output_ids)
+        return int(min(remaining * _RESERVE_RATIO, self.horizon))
+
+    def total(self, reqs: list[Request]) -> int:
+        return sum(self.of(r) for r in reqs)
+
+    def retracted(self) -> None:
+        self.horizon = min(self.horizon * 2, self.max_horizon)
+
+    def decode_step(self) -> None:
+        if self.horizon > _RESERVE_HORIZON_BASE:
+            self.horizon -= (self.horizon - _RESERVE_HORIZON_BASE) * _RESERVE_HORIZON_DECAY
 
 
 def _rows_and_positions(reqs: list[Request]) -> tuple[np.ndarray, np.ndarray]:
@@ -95,6 +117,7 @@ class Scheduler:
         self.outputs = OutputProcessor(tokenizer, eos_token_ids, pool.max_context_len, jump_forward=config.jump_forward,
                                        steering=steering)
         self.stats = SchedulerStats(event_log=config.event_log)
+        self.reserve = DecodeReserve(pool.max_context_len)
         self._decode_turn = False
         self._step = StepRecord()
 
@@ -164,7 +187,7 @@ class Scheduler:
         if self.running and self.config.mixed_steps:
             budget = min(budget, self.config.max_mixed_prefill_tokens)
         chunk_cap = self.config.chunked_prefill_size or None
-        room = self.pool.available() + self.tree.evictable_tokens() - sum(_reserve(r) for r in self.running)
+        room = self.pool.available() + self.tree.evictable_tokens() - self.reserve.total(self.running)
         free_batch = self.config.max_running_requests - len(self.running)
         selected: list[Request] = []
         extends: list[int] = []
@@ -206,7 +229,7 @@ class Scheduler:
             extends.append(extend)
             is_last_chunk.append(extend == remaining)
             budget -= extend
-            room -= extend + _reserve(req)
+            room -= extend + self.reserve.of(req)
             if extend < remaining:
                 self.chunked = req
                 self._decode_turn = True  # let running requests decode before the next chunk
@@ -236,7 +259,7 @@ class Scheduler:
             reusable = min(reusable, len(tokens) - req.forced_pending - 1)
         match = self.tree.match_prefix(tokens[:reusable]) if self.use_cache else None
         prefix = match.length if match is not None else 0
-        need = len(tokens) - prefix + _reserve(req)
+        need = len(tokens) - prefix + self.reserve.of(req)
         if others_present and need > room:
             return False
         if self.pool.rows.available() == 0:
@@ -312,10 +335,13 @@ class Scheduler:
         )
 
     def _schedule_decode(self) -> StepPlan | None:
-        need = len(self.running)
-        while self.pool.available() + self.tree.evictable_tokens() < need and len(self.running) > 1:
+        self.reserve.decode_step()
+        if self.chunked is not None and self._short_of(len(self.running)):
+            # a half-prefilled prompt holds KV that no running request can use: it goes first
+            self._retract_chunked()
+        while self._short_of(len(self.running)) and len(self.running) > 1:
             self._retract(self.running[-1])
-            need = len(self.running)
+        need = len(self.running)
         slots = self._alloc_slots(need)
         if slots is None:
             # One request alone has filled the whole pool: it cannot grow any further.
@@ -349,13 +375,27 @@ class Scheduler:
             self._step.evicted_tokens += len(freed)
         return self.pool.slots.alloc(n)
 
+    def _short_of(self, need: int) -> bool:
+        return self.pool.available() + self.tree.evictable_tokens() < need
+
     def _retract(self, req: Request) -> None:
         """Give a running request's KV back (into the tree); it re-enters the queue first."""
         self._remove_running(req)
+        self._requeue_retracted(req)
+
+    def _retract_chunked(self) -> None:
+        req = self.chunked
+        assert req is not None
+        self.chunked = None
+        self._requeue_retracted(req)
+
+    def _requeue_retracted(self, req: Request) -> None:
         self._release_kv(req, cache=True)
         req.status = RequestStatus.WAITING
         req.num_retractions += 1
         self._step.retracted += 1
+        self._step.retracted_again += req.num_retractions > 1
+        self.reserve.retracted()
         self.waiting.appendleft(req)
         logger.debug("retracted %s (%d tokens)", req.request_id, req.seq_len)
 

@@ -64,6 +64,7 @@ class SimulationReport:
     ttft_p95_s: float
     decode_batch_hist: dict[int, int]
     num_retractions: int
+    num_repeat_retractions: int
     evicted_tokens: int
     scheduler_cpu_s: float
     steps: int
@@ -75,7 +76,8 @@ class SimulationReport:
             f"output tokens    {self.output_tokens} ({self.output_tokens / max(self.virtual_time_s, 1e-9):.1f} tok/s virtual)",
             f"queue delay      p50 {self.queue_delay_p50_s:.3f} s  p95 {self.queue_delay_p95_s:.3f} s  p99 {self.queue_delay_p99_s:.3f} s",
             f"TTFT             p50 {self.ttft_p50_s:.3f} s  p95 {self.ttft_p95_s:.3f} s",
-            f"retractions      {self.num_retractions}, evicted tokens {self.evicted_tokens}",
+            f"retractions      {self.num_retractions} ({self.num_repeat_retractions} of requests retracted before), "
+            f"evicted tokens {self.evicted_tokens}",
             f"scheduler CPU    {self.scheduler_cpu_s * 1e6 / max(self.steps, 1):.1f} us/step over {self.steps} steps",
             "decode batch sizes " + ", ".join(f"{k}:{v}" for k, v in sorted(self.decode_batch_hist.items())),
         ]
@@ -93,12 +95,13 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
         if "prompt_ids" in rec:
             ids = [int(t) for t in rec["prompt_ids"]]
         else:
-            ids = _tokens(f"prefix:{rec['prefix_group']}", int(rec["prefix_len"])) + _tokens(f"suffix:{i}", int(rec["suffix_len"]))
+            ids = trace_tokens(f"prefix:{rec['prefix_group']}", int(rec["prefix_len"])) + trace_tokens(f"suffix:{i}", int(rec["suffix_len"]))
         out.append(TraceRequest(float(rec["arrival"]), ids, int(rec["output_len"])))
     return sorted(out, key=lambda r: r.arrival)
 
 
-def _tokens(key: str, n: int) -> list[int]:
+def trace_tokens(key: str, n: int) -> list[int]:
+    """n pseudo-random token ids, the same for the same key (shared prefixes in traces)."""
     rng = random.Random(key)
     return [rng.randrange(3, _VOCAB) for _ in range(n)]
 
@@ -118,10 +121,10 @@ def synthetic_trace(
         if sessions and rng.random() < multi_turn_share:
             s = rng.randrange(len(sessions))
             # the previous answer (simulated outputs are deterministic) plus a new question
-            prompt = sessions[s] + _sim_outputs(rng.randint(*output_len)) + _tokens(f"turn:{i}", rng.randint(*suffix_len))
+            prompt = sessions[s] + _sim_outputs(rng.randint(*output_len)) + trace_tokens(f"turn:{i}", rng.randint(*suffix_len))
             sessions[s] = prompt
         else:
-            prompt = _tokens(f"prefix:{rng.randrange(num_prefixes)}", prefix_len) + _tokens(f"q:{i}", rng.randint(*suffix_len))
+            prompt = trace_tokens(f"prefix:{rng.randrange(num_prefixes)}", prefix_len) + trace_tokens(f"q:{i}", rng.randint(*suffix_len))
             sessions.append(prompt)
         trace.append(TraceRequest(clock, prompt, out_len))
     return trace
@@ -158,6 +161,7 @@ class ReplicaSim:
         self.admitted_at: dict[str, float] = {}
         self.first_token_at: dict[str, float] = {}
         self.completed = 0
+        self.finish_reasons: dict[str, tuple[str, int]] = {}
         self.decode_batch_hist: dict[int, int] = {}
 
     @property
@@ -191,10 +195,13 @@ class ReplicaSim:
             self.decode_batch_hist[plan.batch_size] = self.decode_batch_hist.get(plan.batch_size, 0) + 1
         outs = self.sched.process_results(plan, SampleResult(tokens, None, None, None), forward_s=step_s)
         self.scheduler_cpu_s += time.perf_counter() - start
+        for r in plan.requests:  # non-streaming requests report only their end: look at them
+            if r.output_ids and r.request_id not in self.first_token_at:
+                self.first_token_at[r.request_id] = self.clock
         for o in outs:
-            if o.new_token_ids:
-                self.first_token_at.setdefault(o.request_id, self.clock)
-            self.completed += o.finished
+            if o.finished:
+                self.completed += 1
+                self.finish_reasons[o.request_id] = (o.finish_reason.value if o.finish_reason else "?", o.completion_tokens)
         return True
 
     def queue_delays(self) -> list[float]:
@@ -232,7 +239,7 @@ def simulate(
         queue_delay_p50_s=float(np.percentile(delays, 50)), queue_delay_p95_s=float(np.percentile(delays, 95)),
         queue_delay_p99_s=float(np.percentile(delays, 99)),
         ttft_p50_s=float(np.percentile(ttfts, 50)), ttft_p95_s=float(np.percentile(ttfts, 95)),
-        decode_batch_hist=replica.decode_batch_hist, num_retractions=stats.num_retractions,
+        decode_batch_hist=replica.decode_batch_hist, num_retractions=stats.num_retractions, num_repeat_retractions=stats.num_repeat_retractions,
         evicted_tokens=stats.evicted_tokens, scheduler_cpu_s=replica.scheduler_cpu_s, steps=stats.num_steps,
     )
 

@@ -19,6 +19,8 @@ class StepRecord:
     cached_tokens: int = 0
     evicted_tokens: int = 0
     retracted: int = 0
+    retracted_again: int = 0
+    """Of those, requests retracted before (admitted again too soon: the admit/retract cycle)."""
     rollbacks: int = 0
     jump_forwards: int = 0
     schedule_s: float = 0.0
@@ -38,6 +40,7 @@ class SchedulerStats:
         self.generated_tokens = 0
         self.evicted_tokens = 0
         self.num_retractions = 0
+        self.num_repeat_retractions = 0
         self.num_rollbacks = 0
         self.num_jump_forwards = 0
         self.num_shortened = 0
@@ -74,6 +77,7 @@ class SchedulerStats:
         self.computed_tokens += step.new_tokens
         self.evicted_tokens += step.evicted_tokens
         self.num_retractions += step.retracted
+        self.num_repeat_retractions += step.retracted_again
         self.num_rollbacks += step.rollbacks
         self.num_jump_forwards += step.jump_forwards
         self.schedule_time_s += step.schedule_s
@@ -86,7 +90,8 @@ class SchedulerStats:
 
     def snapshot(self) -> dict[str, float]:
         keys = ("num_steps", "num_prefill_steps", "num_decode_steps", "prompt_tokens", "cached_prompt_tokens",
-                "computed_tokens", "generated_tokens", "evicted_tokens", "num_retractions", "num_rollbacks", "num_jump_forwards", "num_shortened", "schedule_time_s",
+                "computed_tokens", "generated_tokens", "evicted_tokens", "num_retractions", "num_repeat_retractions",
+                "num_rollbacks", "num_jump_forwards", "num_shortened", "schedule_time_s",
                 "forward_time_s", "queue_depth", "running", "kv_used", "cached_tokens")
         out: dict[str, float] = {k: getattr(self, k) for k in keys}
         out |= {"cache_hit_rate": self.cache_hit_rate, "avg_batch_size": self.avg_batch_size,

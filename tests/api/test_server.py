@@ -156,6 +156,40 @@ def test_disconnect_mid_stream_frees_kv(server: LiveServer) -> None:
     assert stats["active_requests"] == 0 and stats["held_by_requests"] == 0
 
 
+GIVE_UP_BODIES = {
+    "/v1/chat/completions": {"model": "tiny", "messages": CHAT, "max_tokens": 900, "ignore_eos": True},
+    "/v1/completions": {"model": "tiny", "prompt": "go", "max_tokens": 900, "ignore_eos": True},
+    "/v1/responses": {"model": "tiny", "input": "go", "max_output_tokens": 900},  # the random model's EOS is rare
+    "/generate": {"text": "go", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}},
+}
+
+
+@pytest.mark.parametrize("route", list(GIVE_UP_BODIES))
+def test_a_client_that_gives_up_on_a_whole_answer_aborts_it(server: LiveServer, route: str) -> None:
+    """Not streamed: the client drops the connection while the answer is being generated; the
+    engine stops working on it at once (counted as a 499), it does not run to max_tokens."""
+    body = GIVE_UP_BODIES[route]
+
+    async def give_up() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            task = asyncio.create_task(http.post(server.url + route, json=body))
+            await _until_active(server, 1)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    def disconnects() -> float:
+        text = httpx.get(server.url + "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("radixgen_requests_total{") and 'status="499"' in line)
+
+    before = disconnects()
+    asyncio.run(give_up())
+    given_up = time.monotonic()
+    stats = server.wait_idle(timeout=5)
+    assert stats["active_requests"] == 0 and time.monotonic() - given_up < 3
+    assert disconnects() == before + 1
+
+
 def test_metrics_exposes_engine_and_request_counters(server: LiveServer) -> None:
     client(server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=3)
     text = httpx.get(server.url + "/metrics").text

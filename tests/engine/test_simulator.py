@@ -1,12 +1,16 @@
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import asdict
 from pathlib import Path
 
+import pytest
+
 from radixgen import EngineConfig
 from radixgen.api.cli import main as cli_main
-from radixgen.engine.simulator import load_trace, simulate, synthetic_trace, write_trace
+from radixgen.engine.scheduler import DecodeReserve
+from radixgen.engine.simulator import ReplicaSim, TraceRequest, trace_tokens, load_trace, simulate, synthetic_trace, write_trace
 
 
 def _deterministic(report: object) -> dict[str, object]:
@@ -55,3 +59,37 @@ def test_trace_files_and_cli(tmp_path: Path, capsys: object) -> None:
     out = capsys.readouterr().out  # type: ignore[attr-defined]
     assert "cache hit rate" in out and "2/2 completed" in out
     assert len(log.read_text().splitlines()) > 2
+
+
+def _long_outputs(n: int, rate: float, seed: int = 0) -> list[TraceRequest]:
+    rng = random.Random(seed)
+    clock, trace = 0.0, []
+    for i in range(n):
+        clock += rng.expovariate(rate)
+        trace.append(TraceRequest(clock, trace_tokens(f"long:{i}", rng.randint(50, 150)), rng.randint(600, 1000)))
+    return trace
+
+
+def test_long_outputs_do_not_cycle_between_admission_and_retraction(monkeypatch: pytest.MonkeyPatch) -> None:
+    trace, config = _long_outputs(60, rate=0.5), EngineConfig(kv_cache_tokens=6000, max_context_len=4096)
+    adaptive = simulate(trace, config)
+    assert adaptive.completed == 60 and adaptive.num_retractions > 0
+    assert adaptive.num_repeat_retractions == 0, "a retracted request was admitted again too soon"
+    monkeypatch.setattr(DecodeReserve, "retracted", lambda self: None)  # the reserve of old: never adapts
+    fixed = simulate(trace, config)
+    assert fixed.num_repeat_retractions > 0 and fixed.num_retractions > 2 * adaptive.num_retractions
+
+
+def test_a_half_prefilled_prompt_gives_way_to_the_running_request() -> None:
+    """The running request grows while a long prompt is prefilled in small chunks, until the
+    pool is full: the chunked prompt is retracted (its chunks go to the tree), the running
+    request reaches its own length, and the prompt is finished afterwards."""
+    sim = ReplicaSim(EngineConfig(kv_cache_tokens=800, max_context_len=2048, chunked_prefill_size=2))
+    sim.add("running", TraceRequest(0.0, trace_tokens("a", 50), 700))
+    sim.step()
+    sim.add("chunked", TraceRequest(0.0, trace_tokens("b", 600), 20))
+    while sim.step():
+        pass
+    assert sim.finish_reasons == {"running": ("length", 700), "chunked": ("length", 20)}
+    assert sim.sched.stats.num_retractions >= 1
+    sim.close()
