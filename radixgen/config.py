@@ -140,6 +140,9 @@ class ServerConfig(EngineConfig):
     """Largest request body accepted; larger ones get HTTP 413."""
     max_n: int = 16
     """Largest `n` (choices per request)."""
+    shutdown_timeout: float = 30.0
+    """On SIGTERM / SIGINT: seconds the requests in flight get to finish (new ones get 503 with
+    Retry-After meanwhile); what is still running then ends with 503. A second signal stops at once."""
     engine_restarts: int = 3
     """How many times the server starts a crashed engine process again (0: never); requests in
     flight when it crashed get HTTP 503."""

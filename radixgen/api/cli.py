@@ -72,6 +72,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from radixgen.api.drain import DrainingServer
     from radixgen.api.server import create_app
     from radixgen.config import ServerConfig
 
@@ -84,8 +85,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from radixgen.cluster.ray_serve import ClusterClient, start_replicas
 
         client = ClusterClient(config, start_replicas(config))
-    uvicorn.run(create_app(config, client=client), host=config.host, port=config.port,  # type: ignore[arg-type]
-                log_level=config.log_level, timeout_graceful_shutdown=5)
+    app = create_app(config, client=client)
+    server_config = uvicorn.Config(app, host=config.host, port=config.port,  # type: ignore[arg-type]
+                                   log_level=config.log_level, timeout_graceful_shutdown=5)
+    DrainingServer(server_config, app.state.drain).run()
     return 0
 
 

@@ -38,6 +38,7 @@ from radixgen.api.serving import (
     record,
     run_jobs,
     sse,
+    stream_failure,
     token_logprobs,
     usage,
 )
@@ -162,7 +163,7 @@ async def _chat_stream(request: Request, req: ChatCompletionRequest, tools: Tool
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
     status = 200
     try:
-        async for item in merge_streams(state.client, jobs):
+        async for item in merge_streams(request, jobs):
             if item is None:
                 yield ": keep-alive\n\n"
                 continue
@@ -202,9 +203,8 @@ async def _chat_stream(request: Request, req: ChatCompletionRequest, tools: Tool
     except asyncio.CancelledError:
         status = 499
         raise
-    except Exception as e:  # after the first byte an HTTP status cannot change: report in-band
-        status = 400 if isinstance(e, ValueError) else 500
-        kind = "invalid_request_error" if status == 400 else "server_error"
+    except Exception as e:  # noqa: BLE001 - after the first byte the status cannot change: report in-band
+        status, kind = stream_failure(e)
         yield sse({"error": {"message": str(e), "type": kind, "code": status}})
     finally:
         record(request, "chat", status, results, started)

@@ -33,6 +33,7 @@ from radixgen.api.serving import (
     record,
     run_jobs,
     sse,
+    stream_failure,
 )
 from radixgen.engine.request import RequestOutput, SamplingParams
 from radixgen.errors import InvalidParamsError, PromptTooLongError
@@ -118,7 +119,7 @@ async def _completion_stream(request: Request, req: CompletionRequest, jobs: lis
     last_token_at: list[float | None] = [None] * len(jobs)
     status = 200
     try:
-        async for item in merge_streams(state.client, jobs):
+        async for item in merge_streams(request, jobs):
             if item is None:
                 yield ": keep-alive\n\n"
                 continue
@@ -143,9 +144,9 @@ async def _completion_stream(request: Request, req: CompletionRequest, jobs: lis
     except asyncio.CancelledError:
         status = 499
         raise
-    except Exception as e:  # noqa: BLE001
-        status = 500
-        yield sse({"error": {"message": str(e), "type": "server_error", "code": 500}})
+    except Exception as e:  # noqa: BLE001 - after the first byte the status cannot change: report in-band
+        status, kind = stream_failure(e)
+        yield sse({"error": {"message": str(e), "type": kind, "code": status}})
     finally:
         record(request, "completions", status, results, started)
 
@@ -174,12 +175,7 @@ async def generate(req: GenerateRequest, request: Request) -> Any:
     rid = req.request_id or f"gen-{uuid.uuid4().hex[:24]}"
     started = time.perf_counter()
     if req.stream:
-        async def events() -> AsyncIterator[str]:
-            async for out in client.generate(rid, ids, params, stream=True):
-                yield sse({"text": out.new_text, "token_ids": out.new_token_ids, "finished": out.finished,
-                            "meta": _meta(out)})
-            yield sse("[DONE]")
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(_generate_stream(request, rid, ids, params, started), media_type="text/event-stream")
     results = await run_jobs(request, client, [(rid, ids, params)], "generate", started)
     if results is None:
         return JSONResponse({}, status_code=499)  # nobody is listening any more
@@ -189,6 +185,32 @@ async def generate(req: GenerateRequest, request: Request) -> Any:
                      "completion_tokens": len(result.token_ids), "cached_tokens": result.cached_tokens,
                      "logprobs": result.logprobs or None, "prompt_logprobs": result.prompt_logprobs,
                      "shortened": result.shortened}}
+
+
+async def _generate_stream(request: Request, rid: str, ids: list[int], params: SamplingParams,
+                           started: float) -> AsyncIterator[str]:
+    result = ChoiceResult()
+    last_token_at: list[float | None] = [None]
+    status = 200
+    try:
+        async for item in merge_streams(request, [(rid, ids, params)]):
+            if item is None:
+                yield ": keep-alive\n\n"
+                continue
+            _, out = item
+            apply(result, out, streamed=True)
+            observe_latency(request.app.state.metrics, last_token_at, 0, out, started)
+            yield sse({"text": out.new_text, "token_ids": out.new_token_ids, "finished": out.finished,
+                       "meta": _meta(out)})
+        yield sse("[DONE]")
+    except asyncio.CancelledError:
+        status = 499
+        raise
+    except Exception as e:  # noqa: BLE001 - after the first byte the status cannot change: report in-band
+        status, kind = stream_failure(e)
+        yield sse({"error": {"message": str(e), "type": kind, "code": status}})
+    finally:
+        record(request, "generate", status, [result], started)
 
 
 @router.post("/tokenize")

@@ -42,6 +42,7 @@ from radixgen.api.serving import (
     record,
     run_jobs,
     sse,
+    stream_failure,
 )
 from radixgen.errors import InvalidParamsError
 
@@ -249,7 +250,7 @@ async def _stream(request: Request, req: ResponsesRequest, plan: ChatPlan, histo
 
     status = 200
     try:
-        async for item in merge_streams(request.app.state.client, plan.jobs):
+        async for item in merge_streams(request, plan.jobs):
             if item is None:
                 yield ": keep-alive\n\n"
                 continue
@@ -323,8 +324,8 @@ async def _stream(request: Request, req: ResponsesRequest, plan: ChatPlan, histo
     except asyncio.CancelledError:
         status = 499
         raise
-    except Exception as e:  # after the first byte an HTTP status cannot change: report in-band
-        status = 400 if isinstance(e, ValueError) else 500
+    except Exception as e:  # noqa: BLE001 - after the first byte the status cannot change: report in-band
+        status, _ = stream_failure(e)
         yield event("error", code=str(status), message=str(e), param=None)
     finally:
         record(request, "responses", status, [result], started)

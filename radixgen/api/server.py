@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixgen.api.chat import ChatFormat
+from radixgen.api.drain import Drain
 from radixgen.api.engine_client import EngineClient
 from radixgen.api.metrics import ServerMetrics
 from radixgen.api.protocol import ErrorBody, ErrorResponse, ModelCard, ModelList
@@ -45,18 +46,24 @@ def error_response(status: int, message: str, *, kind: str = "invalid_request_er
 
 
 class RequestGuard:
-    """The API key and the declared body size, checked before routing. A plain ASGI middleware:
-    starlette's BaseHTTPMiddleware relays every streamed chunk through a memory stream and a
-    task, which cost the front more than the rest of a token's path (benchmarks/bench_front.py)."""
+    """The API key, the declared body size and a drain in progress, checked before routing; the
+    requests let through are counted while they run (the drain waits for them). A plain ASGI
+    middleware: starlette's BaseHTTPMiddleware relays every streamed chunk through a memory
+    stream and a task, which cost the front more than the rest of a token's path
+    (benchmarks/bench_front.py)."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_request_bytes: int) -> None:
-        self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_request_bytes: int, drain: Drain) -> None:
+        self.app, self.api_key, self.max_request_bytes, self.drain = app, api_key, max_request_bytes, drain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             headers = Headers(scope=scope)
             refusal = None
-            if self.api_key and scope["path"] != "/health":
+            if self.drain.draining and scope["path"] != "/metrics":
+                refusal = error_response(503, "the server is shutting down; send the request to another instance "
+                                              "or retry once it is back", kind="service_unavailable",
+                                         headers={"Retry-After": "5"})
+            elif self.api_key and scope["path"] != "/health":
                 given = headers.get("authorization", "")
                 if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                     refusal = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
@@ -68,6 +75,9 @@ class RequestGuard:
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
+            with self.drain.request():
+                await self.app(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -119,12 +129,14 @@ def create_app(config: ServerConfig, *, client: EngineClient | None = None) -> F
 
     api_key = config.api_key or os.environ.get("RADIXGEN_API_KEY") or None
 
-    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=config.max_request_bytes)
+    app.state.drain = Drain(config.shutdown_timeout)
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=config.max_request_bytes,
+                       drain=app.state.drain)
 
     @app.exception_handler(RadixgenError)
     async def on_radixgen_error(request: Request, exc: RadixgenError) -> JSONResponse:
         status = status_of(exc)
-        headers = {"Retry-After": "1"} if status == 429 else None
+        headers = {"Retry-After": "1"} if status in (429, 503) else None
         kind = {429: "rate_limit_error", 503: "service_unavailable"}.get(status, "invalid_request_error")
         return error_response(status, str(exc), kind=kind, headers=headers)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi import HTTPException, Request
 
+from radixgen.api.drain import Drain
 from radixgen.api.engine_client import EngineClient
 from radixgen.api.protocol import (
     ChoiceLogprobs,
@@ -24,7 +25,7 @@ from radixgen.api.protocol import (
     Usage,
 )
 from radixgen.engine.request import FinishReason, RequestOutput, SamplingParams
-from radixgen.errors import InvalidParamsError, PromptTooLongError
+from radixgen.errors import EngineDeadError, InvalidParamsError, PromptTooLongError
 
 _KEEPALIVE_S = 10.0
 
@@ -169,21 +170,46 @@ async def client_gone(request: Request) -> None:
 
 
 async def until_done_or_gone(request: Request, tasks: list[asyncio.Task[Any]]) -> list[Any]:
-    """Wait for the tasks; if the client disconnects first, cancel them (aborting in the engine)."""
+    """Wait for the tasks; if the client disconnects first, or the server's shutdown deadline
+    passes, cancel them (aborting in the engine)."""
     watcher = asyncio.create_task(client_gone(request))
+    deadline = asyncio.Event()
     pending: set[asyncio.Future[Any]] = set(tasks)
     try:
-        while pending:
-            done, _ = await asyncio.wait(pending | {watcher}, return_when=asyncio.FIRST_COMPLETED)
-            pending -= done
-            if watcher in done and pending:
-                for t in pending:
-                    t.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-                raise ClientGone()
+        with drain_of(request).on_abort(deadline.set):
+            deadline_passed = asyncio.create_task(deadline.wait())
+            while pending:
+                done, _ = await asyncio.wait(pending | {watcher, deadline_passed}, return_when=asyncio.FIRST_COMPLETED)
+                pending -= done
+                if (watcher in done or deadline_passed in done) and pending:
+                    for t in pending:
+                        t.cancel()
+                    await asyncio.gather(*pending, return_exceptions=True)
+                    if deadline_passed in done:
+                        raise Drain.error()
+                    raise ClientGone()
     finally:
         watcher.cancel()
+        deadline_passed.cancel()
     return [t.result() for t in tasks]
+
+
+def drain_of(request: Request) -> Drain:
+    drain: Drain | None = getattr(request.app.state, "drain", None)
+    return drain if drain is not None else _NO_DRAIN
+
+
+_NO_DRAIN = Drain(timeout_s=0.0)  # apps built without one (tests mounting the routes alone)
+
+
+def stream_failure(e: Exception) -> tuple[int, str]:
+    """The HTTP status and OpenAI error type of an exception raised mid-stream, where the
+    status line has been sent and the error can only be reported in-band."""
+    if isinstance(e, ValueError):
+        return 400, "invalid_request_error"
+    if isinstance(e, EngineDeadError):
+        return 503, "service_unavailable"
+    return 500, "server_error"
 
 
 Job = tuple[str, list[int], SamplingParams]  # (request id, prompt ids, params)
@@ -239,9 +265,11 @@ def sse(payload: Any) -> str:
 
 
 async def merge_streams(
-    client: EngineClient, jobs: list[tuple[str, list[int], SamplingParams]]
+    request: Request, jobs: list[tuple[str, list[int], SamplingParams]]
 ) -> AsyncIterator[tuple[int, RequestOutput] | None]:
-    """Outputs of several requests as they come, tagged with their choice index; None = quiet."""
+    """Outputs of several requests as they come, tagged with their choice index; None = quiet.
+    Past the server's shutdown deadline the stream ends with ``ShuttingDownError``."""
+    client: EngineClient = request.app.state.client
     queue: asyncio.Queue[Any] = asyncio.Queue()
     done = object()
 
@@ -257,31 +285,32 @@ async def merge_streams(
     tasks = [asyncio.create_task(pump(i, *job)) for i, job in enumerate(jobs)]
     remaining = len(tasks)
     try:
-        while remaining:
-            try:
-                item = await _get_within(queue, _KEEPALIVE_S)
-            except asyncio.TimeoutError:
-                yield None
-                continue
-            # what else has arrived meanwhile goes out with it: when the front falls behind the
-            # engine, a choice's pending tokens become one event instead of one event each (one
-            # turn of the loop first lets outputs already received reach this queue; an event
-            # costs far more than a token, bench_front.py)
-            await asyncio.sleep(0)
-            batch = [item]
-            while not queue.empty():
-                batch.append(queue.get_nowait())
-            pending: dict[int, RequestOutput] = {}
-            for got in batch:
-                if got is done:
-                    remaining -= 1
-                elif isinstance(got, Exception):
-                    raise got
-                else:
-                    index, out = got
-                    pending[index] = coalesce(pending[index], out) if index in pending else out
-            for index, out in pending.items():
-                yield index, out
+        with drain_of(request).on_abort(lambda: queue.put_nowait(Drain.error())):
+            while remaining:
+                try:
+                    item = await _get_within(queue, _KEEPALIVE_S)
+                except asyncio.TimeoutError:
+                    yield None
+                    continue
+                # what else has arrived meanwhile goes out with it: when the front falls behind
+                # the engine, a choice's pending tokens become one event instead of one event
+                # each (one turn of the loop first lets outputs already received reach this
+                # queue; an event costs far more than a token, bench_front.py)
+                await asyncio.sleep(0)
+                batch = [item]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                pending: dict[int, RequestOutput] = {}
+                for got in batch:
+                    if got is done:
+                        remaining -= 1
+                    elif isinstance(got, Exception):
+                        raise got
+                    else:
+                        index, out = got
+                        pending[index] = coalesce(pending[index], out) if index in pending else out
+                for index, out in pending.items():
+                    yield index, out
     finally:
         for t in tasks:
             t.cancel()

@@ -214,7 +214,8 @@ class Endpoint(Backend):
                         continue
                     event = json.loads(line[len("data: "):])
                     if "error" in event:
-                        raise RuntimeError(event["error"].get("message", "generation failed"))
+                        error = InvalidParamsError if event["error"].get("code") == 400 else RuntimeError
+                        raise error(event["error"].get("message", "generation failed"))
                     if event["text"]:
                         text += event["text"]
                         on_text(event["text"])

@@ -254,6 +254,49 @@ def test_engine_death_gives_503_not_a_hang(start_server: Callable[..., LiveServe
     assert time.monotonic() - stopping < 10 and srv.proc.returncode != -signal.SIGKILL
 
 
+def test_sigterm_drains_then_exits_cleanly(start_server: Callable[..., LiveServer]) -> None:
+    """SIGTERM: new requests get 503 with Retry-After at once; a request that finishes within
+    --shutdown-timeout gets its answer; the longer ones end with 503 (an error event in a
+    stream) at the deadline; the server then exits 0."""
+    srv = start_server("--shutdown-timeout", "3")
+    long_body = {"prompt": "go", "max_tokens": 900, "ignore_eos": True}
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response, list[str], httpx.Response, float]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            short = asyncio.create_task(http.post(srv.url + "/v1/completions",
+                                                  json={"prompt": "hi", "max_tokens": 40, "ignore_eos": True}))
+            long = asyncio.create_task(http.post(srv.url + "/v1/completions", json=long_body))
+            events: list[str] = []
+
+            async def streamed() -> None:
+                async with http.stream("POST", srv.url + "/v1/completions", json={**long_body, "stream": True}) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line)
+
+            stream = asyncio.create_task(streamed())
+            await _until_active(srv, 3)
+            srv.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            await asyncio.sleep(0.3)
+            refused = await http.post(srv.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2})
+            assert (await http.get(srv.url + "/health")).status_code == 503
+            answered = await short
+            cut = await long
+            await asyncio.wait_for(stream, 30)
+            return refused, answered, events, cut, time.monotonic() - signalled
+
+    refused, answered, events, cut, waited = asyncio.run(scenario())
+    assert refused.status_code == 503 and refused.headers["retry-after"]
+    assert refused.json()["error"]["type"] == "service_unavailable"
+    assert answered.status_code == 200 and answered.json()["usage"]["completion_tokens"] == 40
+    assert cut.status_code == 503 and "shutting down" in cut.json()["error"]["message"]
+    assert '"code":503' in events[-1] and "shutting down" in events[-1], events[-1:]
+    assert 2.5 < waited < 10, waited
+    assert srv.proc.wait(20) == 0, srv.output()[-2000:]
+    srv.stop()
+
+
 def test_a_crashed_engine_is_restarted_and_serves_again(start_server: Callable[..., LiveServer]) -> None:
     srv = start_server("--engine-restarts", "1")
     pid = srv.stats()["engine_pid"]
