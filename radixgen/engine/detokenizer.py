@@ -1,13 +1,17 @@
 """Incremental detokenization and stop-string matching for one request.
 
-Tokens are decoded in a short sliding window so that multi-byte UTF-8 characters split over
-tokens, and tokens whose text depends on their left neighbour (leading-space markers), come out
-right. Text that could be the start of a stop string is held back until it is known not to be.
+Token ids go through ``tokenizers``' ``DecodeStream``: one native step per token, which holds
+back the bytes of a UTF-8 character split over tokens and decodes each token against its left
+neighbour (leading-space markers), seeded with the prompt's last tokens. Text that could be the
+start of a stop string is held back until it is known not to be. Text is kept as a list of
+pieces (joined when read), so a long output is not copied again with each token.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from tokenizers.decoders import DecodeStream
 
 # Prompt tokens kept as left context for decoding the first output tokens.
 _CONTEXT_TOKENS = 4
@@ -18,52 +22,83 @@ class IncrementalDetokenizer:
         self, tokenizer: Any, prompt_ids: list[int], *, skip_special_tokens: bool = True,
         stop: tuple[str, ...] = (),
     ) -> None:
-        self.tokenizer = tokenizer
+        # transformers' fast tokenizers wrap the native one that DecodeStream steps with
+        self.backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self._stream = DecodeStream(ids=list(prompt_ids[-_CONTEXT_TOKENS:]), skip_special_tokens=skip_special_tokens)
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
-        self.text = ""  # all output text decoded so far (after any stop-string trim)
-        self.emitted = 0  # chars of self.text already handed out
+        self._pieces: list[str] = []  # all output text so far (after any stop-string trim)
+        self.length = 0
+        self._unsent: list[str] = []  # the end of that text not yet handed out
+        self._unsent_len = 0
+        self._tail = ""  # the text's last max_stop_len chars, where a stop string may begin
         self.stopped = False
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+    @property
+    def text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
-    def add_token(self, token_id: int) -> None:
-        """Feed one output token; finds stop strings (sets ``stopped``, trims ``text``)."""
-        self.ids.append(token_id)
-        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full_text = self._decode(self.ids[self.prefix_offset :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
-            return  # an incomplete character or no visible text yet: wait for more tokens
-        new_text = full_text[len(prefix_text) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        if not self.stop:
-            self.text += new_text
-            return
-        search_from = max(0, len(self.text) - self.max_stop_len + 1)
-        self.text += new_text
-        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            self.stopped = True
+    def add_token(self, token_id: int) -> str:
+        """Feed one output token; return the text it adds (finds stop strings: sets
+        ``stopped`` and trims the text at the stop)."""
+        piece = self._stream.step(self.backend, token_id)
+        if not piece:
+            return ""  # an incomplete character or no visible text yet: wait for more tokens
+        if self.stop:
+            window = self._tail + piece
+            hits = [i for s in self.stop if (i := window.find(s)) >= 0]
+            if hits:
+                self.stopped = True
+                cut = len(window) - min(hits)  # chars to drop from the end once piece is in
+                self._append(piece)
+                self._drop_last(cut)
+                return piece[: max(len(piece) - cut, 0)]
+            self._tail = window[-self.max_stop_len :]
+        self._append(piece)
+        return piece
+
+    def _append(self, piece: str) -> None:
+        self._pieces.append(piece)
+        self._unsent.append(piece)
+        self.length += len(piece)
+        self._unsent_len += len(piece)
+
+    def _drop_last(self, n: int) -> None:
+        """Trim ``n`` chars from the end; they are unsent (a partial stop string is held back)."""
+        text = self.text
+        self._pieces = [text[: len(text) - n]]
+        self.length -= n
+        unsent = "".join(self._unsent)
+        self._unsent = [unsent[: max(len(unsent) - n, 0)]]
+        self._unsent_len = len(self._unsent[0])
 
     def take_delta(self, final: bool) -> str:
         """Text not yet handed out; while not final, hold back a possible stop-string start."""
-        end = len(self.text)
-        if not final and self.stop:
-            end -= self._partial_stop_len()
-        end = max(end, self.emitted)
-        delta = self.text[self.emitted : end]
-        self.emitted = end
+        if not self._unsent_len:
+            return ""
+        unsent = "".join(self._unsent)
+        held = self._partial_stop_len() if not final and self.stop else 0
+        delta, rest = unsent[: len(unsent) - held], unsent[len(unsent) - held :]
+        self._unsent, self._unsent_len = ([rest] if rest else []), len(rest)
         return delta
 
+    @property
+    def sent(self) -> int:
+        """Chars of the text already handed out."""
+        return self.length - self._unsent_len
+
+    def resume_after(self, sent: int) -> None:
+        """Treat the first ``sent`` chars as handed out already (a rebuilt detokenizer after a
+        rollback: what was streamed stays streamed)."""
+        unsent = self.text[min(sent, self.length) :]
+        self._unsent, self._unsent_len = ([unsent] if unsent else []), len(unsent)
+
     def _partial_stop_len(self) -> int:
-        tail = self.text[-self.max_stop_len :] if self.max_stop_len else ""
-        for n in range(len(tail), 0, -1):
+        tail = self._tail
+        for n in range(min(len(tail), self._unsent_len), 0, -1):
             suffix = tail[-n:]
             if any(s.startswith(suffix) for s in self.stop):
                 return n

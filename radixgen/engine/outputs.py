@@ -159,17 +159,16 @@ class OutputProcessor:
         req.output_ids.append(token)
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return FinishReason.STOP  # the stop token's text is not part of the output
-        detok = self.detokenizers[req.request_id]
         if self.tokenizer is not None:  # None in the trace simulator: no text at all
-            before = len(detok.text)
-            detok.add_token(token)
+            detok = self.detokenizers[req.request_id]
+            new_text = detok.add_token(token)
             if req.validation is not None:
-                req.token_text_ends.append(len(detok.text))
-                rejection = req.validation.feed(detok.text[before:])
+                req.token_text_ends.append(detok.length)
+                rejection = req.validation.feed(new_text)
                 if rejection is not None:
                     return self._reject(req, rejection)
-        if detok.stopped:
-            return FinishReason.STOP
+            if detok.stopped:
+                return FinishReason.STOP
         if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.max_context_len:
             return FinishReason.LENGTH
         return None
@@ -200,10 +199,10 @@ class OutputProcessor:
         ends = []
         for t in req.output_ids[:keep]:
             detok.add_token(t)
-            ends.append(len(detok.text))
+            ends.append(detok.length)
         # what was streamed stays streamed: only text past it is sent again (a rollback reaches
         # back only into text that was held, never into text a client has seen)
-        detok.emitted = min(old.emitted, len(detok.text))
+        detok.resume_after(old.sent)
         self.detokenizers[req.request_id] = detok
         req.token_text_ends = ends
         if req.validation is not None:
@@ -214,8 +213,10 @@ class OutputProcessor:
     def emit(self, req: Request, *, final: bool, has_new_token: bool) -> RequestOutput | None:
         """Hand a delta to the request's callback; non-streaming requests only get the end, and
         so do requests with validators (a rollback could take back text already sent)."""
-        if not final and (not req.stream or req.on_output is None or req.validation is not None):
-            return None
+        if not final:
+            if not req.stream or req.on_output is None or req.validation is not None:
+                return None
+            return self._emit_delta(req, has_new_token)
         detok = self.detokenizers[req.request_id]
         out = RequestOutput(
             request_id=req.request_id,
@@ -239,3 +240,19 @@ class OutputProcessor:
         if req.on_output is not None:
             req.on_output(out)
         return out
+
+    def _emit_delta(self, req: Request, has_new_token: bool) -> RequestOutput:
+        """``emit`` of a streamed step's delta: the path every running request takes each step."""
+        params = req.params
+        out = RequestOutput(
+            req.request_id,
+            req.output_ids[-1:] if has_new_token else [],
+            self.detokenizers[req.request_id].take_delta(False) if self.tokenizer is not None else "",
+            False, None, req.error, req.user_error, req.prompt_len, len(req.output_ids), req.cached_tokens,
+            req.output_logprobs[-1:] if has_new_token and params.logprobs else None,
+            req.output_top_logprobs[-1:] if has_new_token and params.top_logprobs else None,
+        )
+        assert req.on_output is not None
+        req.on_output(out)
+        return out
+

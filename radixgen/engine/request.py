@@ -199,7 +199,7 @@ class SamplingParams:
                 or self.presence_penalty != 0.0)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request (a delta), or its final state when finished."""
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -55,7 +56,7 @@ class DecodeReserve:
         remaining = req.params.max_new_tokens - len(req.output_ids)
         return int(min(remaining * _RESERVE_RATIO, self.horizon))
 
-    def total(self, reqs: list[Request]) -> int:
+    def total(self, reqs: Iterable[Request]) -> int:
         return sum(self.of(r) for r in reqs)
 
     def retracted(self) -> None:
@@ -107,10 +108,11 @@ class Scheduler:
         self.tree = RadixTree()
         self.use_cache = not config.disable_radix_cache
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: dict[Request, None] = {}
+        """Running requests in admission order (a dict: O(1) removal, the newest last)."""
         self.running_version = 0
         """Bumped whenever ``running`` changes; per-batch arrays are reused while it stands."""
-        self._decode_arrays: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._decode_arrays: tuple[int, list[Request], np.ndarray, np.ndarray] | None = None
         self.chunked: Request | None = None
         """The request whose prompt is part-way through chunked prefill (holds KV, not running)."""
         self.requests: dict[str, Request] = {}
@@ -143,7 +145,7 @@ class Scheduler:
         return True
 
     def _remove_running(self, req: Request) -> None:
-        self.running.remove(req)
+        del self.running[req]
         self.running_version += 1
 
     def has_work(self) -> bool:
@@ -197,18 +199,16 @@ class Scheduler:
         else:
             self._order_waiting()
             candidates = []
-        queue = iter(list(self.waiting))
         while budget > 0 and len(selected) < free_batch:
             if candidates:
                 req = candidates.pop()
             else:
-                nxt = next(queue, None)
-                if nxt is None:
+                if not self.waiting:
                     break
-                req = nxt
+                req = self.waiting[0]  # admitted in queue order: the next one is the front
                 if not self._admit(req, room, bool(selected or self.running)):
                     break
-                self.waiting.remove(req)
+                self.waiting.popleft()
             remaining = req.seq_len - req.num_computed
             limit = budget if chunk_cap is None else min(budget, chunk_cap)
             if remaining <= limit or chunk_cap is None and not selected:
@@ -283,8 +283,7 @@ class Scheduler:
         if req is self.chunked:
             return  # keeps its row and its computed chunks
         self._release_kv(req, cache=False)
-        if req not in self.waiting:
-            self.waiting.appendleft(req)
+        self.waiting.appendleft(req)  # it was the queue's front
 
     def _prefill_plan(self, reqs: list[Request], extends: list[int], is_last: list[bool]) -> StepPlan:
         extend_lens = np.array(extends, dtype=np.int64)
@@ -340,22 +339,22 @@ class Scheduler:
             # a half-prefilled prompt holds KV that no running request can use: it goes first
             self._retract_chunked()
         while self._short_of(len(self.running)) and len(self.running) > 1:
-            self._retract(self.running[-1])
+            self._retract(next(reversed(self.running)))
         need = len(self.running)
         slots = self._alloc_slots(need)
         if slots is None:
             # One request alone has filled the whole pool: it cannot grow any further.
-            self.abort(self.running[0].request_id, FinishReason.LENGTH)
+            self.abort(next(iter(self.running)).request_id, FinishReason.LENGTH)
             return None
-        reqs = list(self.running)
-        batch = len(reqs)
         cached = self._decode_arrays
         if cached is not None and cached[0] == self.running_version:
             # same batch as the last decode step: every sequence grew by exactly one token
-            rows, positions = cached[1], cached[2] + 1
+            reqs, rows, positions = cached[1], cached[2], cached[3] + 1
         else:
+            reqs = list(self.running)
             rows, positions = _rows_and_positions(reqs)
-        self._decode_arrays = (self.running_version, rows, positions)
+        batch = len(reqs)
+        self._decode_arrays = (self.running_version, reqs, rows, positions)
         self.pool.write(rows, positions, slots)
         input_ids = _last_tokens(reqs)
         self._step.new_tokens = batch
@@ -501,7 +500,7 @@ class Scheduler:
         if plan.sample_mask is not None and not plan.sample_mask[i]:
             return False
         req.status = RequestStatus.DECODE
-        self.running.append(req)
+        self.running[req] = None
         self.running_version += 1
         return True
 

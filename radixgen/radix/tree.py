@@ -6,7 +6,9 @@ node's edge holds a token span (``keys[n]``, int64 array) and the KV slots of th
 recursion, so paths thousands of tokens deep are fine.
 
 Locking: a running request locks the node where its cached prefix ends; ``lock_ref`` counts
-along the whole path to the root, and a node with ``lock_ref > 0`` is never evicted.
+along the whole path to the root, and a node with ``lock_ref > 0`` is never evicted. The unlocked
+leaves (eviction's candidates) are kept as a set, updated where a node's children or lock change,
+so an eviction does not scan the whole tree.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class RadixTree:
         self._clock = 0
         self._total_tokens = 0
         self._locked_tokens = 0
+        self._evictable_leaves: set[int] = set()
 
     # ---- queries ------------------------------------------------------------------------
 
@@ -132,6 +135,7 @@ class RadixTree:
         while node != ROOT:
             if self.lock_ref[node] == 0:
                 self._locked_tokens += len(self.keys[node])
+                self._evictable_leaves.discard(node)
             self.lock_ref[node] += 1
             node = self.parent[node]
 
@@ -141,12 +145,15 @@ class RadixTree:
             self.lock_ref[node] -= 1
             if self.lock_ref[node] == 0:
                 self._locked_tokens -= len(self.keys[node])
+                self._note_leaf(node)
             node = self.parent[node]
 
     def evict(self, num_tokens: int) -> np.ndarray:
         """Free at least ``num_tokens`` (if that many are evictable) from least recently used
         unlocked leaves, bottom-up; return the freed slots for the pool."""
-        heap = [(self.last_access[n], n) for n in self._leaves() if self.lock_ref[n] == 0]
+        if num_tokens <= 0:
+            return np.empty(0, dtype=np.int64)
+        heap = [(self.last_access[n], n) for n in self._evictable_leaves]
         heapq.heapify(heap)
         freed: list[np.ndarray] = []
         count = 0
@@ -175,6 +182,13 @@ class RadixTree:
     def _leaves(self) -> list[int]:
         return [n for n in self._live_ids() if n != ROOT and not self.children[n]]
 
+    def _note_leaf(self, n: int) -> None:
+        """Keep ``n``'s membership of the evictable-leaf set true after a change to it."""
+        if n != ROOT and self.parent[n] >= 0 and not self.children[n] and self.lock_ref[n] == 0:
+            self._evictable_leaves.add(n)
+        else:
+            self._evictable_leaves.discard(n)
+
     def _new_node(self, parent: int, key: np.ndarray, value: np.ndarray) -> int:
         if self._free_ids:
             n = self._free_ids.pop()
@@ -189,6 +203,8 @@ class RadixTree:
             self.lock_ref.append(0)
             self.last_access.append(self._clock)
         self.children[parent][int(key[0])] = n
+        self._note_leaf(n)
+        self._evictable_leaves.discard(parent)  # it has a child now
         return n
 
     def _split(self, child: int, m: int) -> int:
@@ -201,6 +217,7 @@ class RadixTree:
         self.keys[child], self.values[child] = key[m:], value[m:]
         self.parent[child] = upper
         self.children[upper][int(key[m])] = child
+        self._evictable_leaves.discard(upper)
         return upper
 
     def _remove_leaf(self, leaf: int) -> None:
@@ -210,3 +227,5 @@ class RadixTree:
         self.children[leaf] = {}
         self.parent[leaf] = -1
         self._free_ids.append(leaf)
+        self._evictable_leaves.discard(leaf)
+        self._note_leaf(parent)

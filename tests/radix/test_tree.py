@@ -81,6 +81,8 @@ def test_random_operations_agree_with_reference_and_conserve_slots(operations: l
         assert pool.available() + len(held) == 200, "slots lost or double-counted"
         assert tree.cached_tokens() == len(held) == len(ref.slot_of)
         assert all(k[:-1] in ref.slot_of for k in ref.slot_of if len(k) > 1), "cache must stay prefix-closed"
+        # eviction's candidate set, kept up to date, is what a scan of the tree finds
+        assert tree._evictable_leaves == {n for n in tree._leaves() if tree.lock_ref[n] == 0}
 
 
 def test_split_on_partial_match_and_lock_counts() -> None:
