@@ -25,6 +25,20 @@ from radixgen.models.config import RopeScaling
 # The batch size oneDNN is told to expect when reordering; 64 was the best all-rounder for
 # batch 1..256 here (packing for batch 1 made batch 64 ~45% slower).
 _PACK_BATCH_HINT = 64
+# oneDNN builds (and keeps, even past its cache capacity) a primitive of ~0.6 MB per distinct
+# row count: prefills of every length grew the engine's memory without bound (+482 MB over 200
+# lengths on four weights). Row counts above this are padded up to one of 16 steps per octave
+# (at most 6.25% more rows); the decode batches below it are at most max_running_requests shapes.
+_EXACT_ROWS_UP_TO = 64
+_ROW_STEPS_PER_OCTAVE_LOG2 = 4
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a packed linear runs ``rows`` rows at."""
+    if rows <= _EXACT_ROWS_UP_TO:
+        return rows
+    step = 1 << (rows.bit_length() - 1 - _ROW_STEPS_PER_OCTAVE_LOG2)
+    return -(-rows // step) * step
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -60,6 +74,11 @@ class Linear(nn.Module):
         if kernels is not None and x.shape[0] <= kernels.small_linear_max_tokens and self.weight.numel():
             return kernels.small_linear(x, self.weight, self.bias)
         if self._packed is not None:
+            rows = x.shape[0]
+            padded = padded_rows(rows) if x.dim() == 2 else rows
+            if padded != rows:
+                x = nn.functional.pad(x, (0, 0, 0, padded - rows))
+                return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")[:rows]
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return nn.functional.linear(x, self.weight, self.bias)
 
