@@ -21,6 +21,7 @@ import json
 import random
 import re
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any
 
 import httpx
 import jsonschema
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -164,6 +166,39 @@ def _expect_choices(kind: str, r: httpx.Response, n: int, report: SoakReport) ->
     return True
 
 
+class RssSampler:
+    """Each process's RSS every few seconds on a thread, and its least-squares slope."""
+
+    def __init__(self, pids: dict[str, int], every_s: float) -> None:
+        self.pids, self.every_s = pids, every_s
+        self.samples: dict[str, list[tuple[float, float]]] = {name: [] for name in pids}
+        self._start = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            for name, pid in self.pids.items():
+                self.samples[name].append((time.monotonic() - self._start, rss_mb(pid)))
+            if self._stop.wait(self.every_s):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def slopes_mb_per_min(self) -> dict[str, float]:
+        out = {}
+        for name, points in self.samples.items():
+            if len(points) < 3:
+                out[name] = float("nan")
+                continue
+            t, mb = np.array(points).T
+            out[name] = float(np.polyfit(t / 60, mb, 1)[0])
+        return out
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -210,6 +245,8 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--kv-cache-tokens", type=int, default=2048, help="small on purpose: eviction and retraction")
+    parser.add_argument("--warmup-requests", type=int, default=300)
+    parser.add_argument("--rss-every", type=float, default=10.0, help="seconds between memory samples")
     args = parser.parse_args()
 
     server = None
@@ -228,12 +265,14 @@ def main() -> int:
         rss_boot = {name: rss_mb(pid) for name, pid in pids.items() if pid}
         # a warm-up load first: allocator pools, compiled grammars and caches fill once; memory
         # must be flat from there on
-        warmup = asyncio.run(soak(url, requests=max(50, args.requests // 10), duration_s=args.duration,
+        warmup = asyncio.run(soak(url, requests=args.warmup_requests, duration_s=args.duration,
                                   concurrency=args.concurrency, max_tokens=args.max_tokens, seed=1))
         rss_start = {name: rss_mb(pid) for name, pid in pids.items() if pid}
         started = time.perf_counter()
+        sampler = RssSampler({name: pid for name, pid in pids.items() if pid}, args.rss_every)
         report = asyncio.run(soak(url, requests=args.requests, duration_s=args.duration,
                                   concurrency=args.concurrency, max_tokens=args.max_tokens))
+        sampler.stop()
         report.failures += [f"warm-up {f}" for f in warmup.failures]
         elapsed = time.perf_counter() - started
         stats = check_server(url)
@@ -245,14 +284,17 @@ def main() -> int:
     print_table(rows, ["outcome", "count"])
     print(f"\n{report.requests} requests in {elapsed:.0f} s; retractions {stats.get('num_retractions')}, "
           f"evicted tokens {stats.get('evicted_tokens')}; KV balanced: {stats['kv_balanced']}; healthy: {stats['healthy']}")
+    slopes = sampler.slopes_mb_per_min()
     for name in rss_start:
         print(f"RSS {name}: {rss_boot[name]:.0f} MB at boot, {rss_start[name]:.0f} MB after warm-up, "
-              f"{rss_end[name]:.0f} MB at the end")
+              f"{rss_end[name]:.0f} MB at the end; slope after warm-up {slopes[name]:+.2f} MB/min "
+              f"({len(sampler.samples[name])} samples)")
     for failure in report.failures:
         print("  failure:", failure)
     path = write_json("soak", {"requests": report.requests, "seconds": elapsed, "outcomes": dict(report.outcomes),
                                "failures": report.failures, "stats": stats, "rss_boot_mb": rss_boot, "rss_start_mb": rss_start,
-                               "rss_end_mb": rss_end, "args": vars(args)})
+                               "rss_end_mb": rss_end, "rss_slope_mb_per_min": slopes,
+                               "rss_samples": sampler.samples, "args": vars(args)})
     print(f"wrote {path}")
     ok = not report.failures and stats["kv_balanced"] and stats["healthy"]
     return 0 if ok else 1
