@@ -27,6 +27,17 @@ class StepRecord:
     forward_s: float = 0.0
 
 
+class StepLog:
+    """The record of the step being planned and applied (planner and result processor both
+    write to it)."""
+
+    def __init__(self) -> None:
+        self.current = StepRecord()
+
+    def begin(self) -> None:
+        self.current = StepRecord()
+
+
 class SchedulerStats:
     def __init__(self, event_log: str | None = None) -> None:
         self.num_steps = 0

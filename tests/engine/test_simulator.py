@@ -9,7 +9,7 @@ import pytest
 
 from radixgen import EngineConfig
 from radixgen.api.cli import main as cli_main
-from radixgen.engine.scheduler import DecodeReserve
+from radixgen.engine.planner import DecodeReserve
 from radixgen.engine.simulator import ReplicaSim, TraceRequest, trace_tokens, load_trace, simulate, synthetic_trace, write_trace
 
 

@@ -1,0 +1,173 @@
+"""Result processing: what a step's sampled tokens mean for each of its requests.
+
+A token is appended (with the constraint's forced text after it, jump-forward), a finished
+request gives its KV to the tree and its final output to the callback, a prefill's chunk is
+cached as soon as it is computed, jump-forward's extends and a validator's rollbacks send the
+request back to the queue, and a fault in one request ends that request alone.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from radixgen.config import EngineConfig
+from radixgen.engine.batch import StepKind, StepPlan
+from radixgen.engine.kv_cache import KVCacheManager
+from radixgen.engine.outputs import OutputProcessor
+from radixgen.engine.planner import BatchPlanner
+from radixgen.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from radixgen.engine.sampler import SampleResult
+from radixgen.engine.stats import SchedulerStats, StepLog
+
+logger = logging.getLogger(__name__)
+
+
+class ResultProcessor:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, planner: BatchPlanner, outputs: OutputProcessor,
+                 stats: SchedulerStats, log: StepLog, requests: dict[str, Request]) -> None:
+        self.config = config
+        self.kv = kv
+        self.planner = planner
+        self.outputs = outputs
+        self.stats = stats
+        self.log = log
+        self.requests = requests
+        """Every request the scheduler holds (shared with it); a finished one leaves it here."""
+
+    def process_results(self, plan: StepPlan, result: SampleResult, forward_s: float = 0.0) -> list[RequestOutput]:
+        """Apply a step's sampled tokens; return the outputs handed to callbacks (finals always)."""
+        outputs: list[RequestOutput] = []
+        token_ids = result.token_ids.tolist()
+        allow_jump = len(self.planner.running) <= self.config.jump_forward_max_batch
+        num_prefill = plan.num_prefill if plan.kind is StepKind.PREFILL else 0
+        extend_lens = plan.extend_lens.tolist()
+        for i, req in enumerate(plan.requests):
+            req.num_computed += extend_lens[i]
+            try:
+                out = self._apply_result(req, plan, i, token_ids, result, num_prefill, allow_jump)
+            except Exception as e:  # noqa: BLE001 - one request's fault (user code, a bug) ends it alone
+                logger.exception("applying the step's result to %s failed", req.request_id)
+                out = self._fail_request(req, f"internal error: {type(e).__name__}: {e}")
+            if out is not None:
+                outputs.append(out)
+        sampled = plan.sample_mask
+        self.stats.generated_tokens += len(plan.requests) if sampled is None else int(sampled.sum())
+        step = self.log.current
+        step.kind = "mixed" if plan.num_decode else plan.kind.value
+        step.batch_size = plan.batch_size
+        step.decode_rows = plan.batch_size - num_prefill
+        step.forward_s = forward_s
+        self.stats.record(step, queue_depth=len(self.planner.waiting), running=len(self.planner.running),
+                          kv_used=self.kv.used(), cached=self.kv.cached_tokens())
+        return outputs
+
+    def _apply_result(self, req: Request, plan: StepPlan, i: int, token_ids: list[int], result: SampleResult,
+                      num_prefill: int, allow_jump: bool) -> RequestOutput | None:
+        if i < num_prefill and not self._after_prefill(req, plan, i, token_ids):
+            return None  # a non-final chunk: nothing to sample yet
+        reason = self.outputs.append_token(req, token_ids[i], result, i, allow_jump=allow_jump)
+        if req.pending_rollback is not None:
+            return self._rollback(req)
+        if reason is not None:
+            self.planner.remove_running(req)
+            return self.finish(req, reason, has_new_token=True)
+        if req.pending_extend:
+            self._requeue_for_extend(req)
+            return None
+        return self.outputs.emit(req, final=False, has_new_token=True)
+
+    def _fail_request(self, req: Request, error: str) -> RequestOutput | None:
+        if req.is_finished or req.request_id not in self.requests:
+            return None
+        self.planner.discard(req)
+        return self.finish(req, FinishReason.ERROR, error=error)
+
+    def _after_prefill(self, req: Request, plan: StepPlan, i: int, token_ids: list[int]) -> bool:
+        """Prefill-only bookkeeping: jump-forward verification outcome, prefix caching, joining the
+        decode group. False for a non-final chunk (nothing is sampled for it)."""
+        req.forced_pending = 0
+        mismatch, req.forced_mismatch = req.forced_mismatch, None
+        if mismatch is not None:  # the model would not have produced the forced tokens from here
+            keep, token_ids[i], req.sample_override = mismatch
+            self.outputs.replaced_samples.append(req)  # the sampler counted the discarded sample
+            self._drop_forced_tail(req, keep)
+        if self.kv.use_cache:
+            self.kv.cache_computed_prefix(req)
+        if plan.sample_mask is not None and not plan.sample_mask[i]:
+            return False
+        req.status = RequestStatus.DECODE
+        self.planner.add_running(req)
+        return True
+
+    def _drop_forced_tail(self, req: Request, keep: int) -> None:
+        """Forget the forced tokens from output index ``keep`` on (their KV included); the
+        model's own token for that index is appended next, as if sampled in this step."""
+        removed = len(req.output_ids) - keep
+        self.kv.truncate(req, req.num_computed - removed)  # keeps the positions before the first dropped token
+        del req.output_ids[keep:]
+        del req.output_logprobs[keep:]
+        del req.output_top_logprobs[keep:]
+        self.outputs.rewind(req, keep)
+
+    def _requeue_for_extend(self, req: Request) -> None:
+        """Jump-forward added several tokens at once: their KV is computed by one prefill (extend)
+        on top of the cached sequence instead of one decode step each."""
+        req.pending_extend = False
+        self.planner.remove_running(req)
+        self.kv.release(req, cache=True)
+        self.planner.requeue(req)
+        self.log.current.jump_forwards += 1
+
+    def _rollback(self, req: Request) -> RequestOutput | None:
+        """A validator rejected a value: take the output back to the value's first token, ban that
+        token there, and requeue the request (its kept prefix is served from the cache). Past
+        the retry bound the request ends with ``constraint_violation``."""
+        assert req.pending_rollback is not None and req.matcher is not None
+        keep, ban_at, why = req.pending_rollback
+        req.pending_rollback = None
+        req.num_rollbacks += 1
+        self.planner.remove_running(req)
+        if req.num_rollbacks > req.params.max_validation_retries:
+            return self.finish(req, FinishReason.CONSTRAINT_VIOLATION,
+                                error=f"the output kept failing validation; last reason: {why}")
+        removed = len(req.output_ids) - keep
+        req.matcher.rollback(removed)
+        req.bans = {pos: toks for pos, toks in req.bans.items() if pos <= keep or pos == ban_at}
+        req.bans.setdefault(ban_at, set()).add(req.output_ids[ban_at])
+        del req.output_ids[keep:]
+        del req.output_logprobs[keep:]
+        del req.output_top_logprobs[keep:]
+        self.outputs.rewind(req, keep)
+        # KV stays valid for the kept tokens but the last one (it is fed again to resample)
+        kept_computed = req.prompt_len + keep - 1
+        if kept_computed >= req.prefix_len:
+            self.kv.truncate(req, kept_computed)
+            self.kv.release(req, cache=True)
+        else:  # the cached prefix reaches past the rollback point: keep the tree's copy, drop ours
+            self.kv.release(req, cache=False)
+        self.planner.requeue(req)
+        self.log.current.rollbacks += 1
+        logger.debug("rolled back %s to output token %d: %s", req.request_id, keep, why)
+        return None
+
+    def finish(
+        self, req: Request, reason: FinishReason, *, error: str | None = None, has_new_token: bool = False
+    ) -> RequestOutput:
+        # A failed step may have left garbage in its slots: do not cache them then.
+        self.kv.release(req, cache=reason is not FinishReason.ERROR)
+        req.status = RequestStatus.ABORTED if reason in (FinishReason.ABORT, FinishReason.ERROR) else RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.error = error or req.error
+        out = self.outputs.emit(req, final=True, has_new_token=has_new_token)
+        assert out is not None, "a final output is always emitted"
+        self.stats.num_shortened += out.shortened
+        self.outputs.remove(req)
+        del self.requests[req.request_id]
+        return out
+
+    def fail_step(self, plan: StepPlan, error: str) -> None:
+        """An internal fault during the step: end its requests with an error, keep serving."""
+        for i, req in enumerate(plan.requests):
+            if not req.is_finished:
+                req.num_computed += int(plan.extend_lens[i])  # their slots were allocated for this step
+                self._fail_request(req, error)
