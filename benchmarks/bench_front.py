@@ -39,7 +39,7 @@ def serve_with_stub(tree: Path, port: int) -> None:
     from radixgen.models.loader import resolve_model_dir
 
     class StubEngine:
-        """EngineClient's interface; each request streams max_new_tokens outputs of one token."""
+        """An EngineHandle; each request streams max_new_tokens outputs of one token."""
 
         def __init__(self) -> None:
             self.info = {"model_path": str(resolve_model_dir(None)), "max_context_len": 8192}

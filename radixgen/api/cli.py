@@ -85,7 +85,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from radixgen.cluster.ray_serve import ClusterClient, start_replicas
 
         client = ClusterClient(config, start_replicas(config))
-    app = create_app(config, client=client)  # type: ignore[arg-type]
+    app = create_app(config, client=client)
     server_config = uvicorn.Config(app, host=config.host, port=config.port,
                                    log_level=config.log_level, timeout_graceful_shutdown=5)
     DrainingServer(server_config, app.state.drain).run()

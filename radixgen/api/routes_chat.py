@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from radixgen.api import tool_decision
 from radixgen.api.chat import ToolPlan, chat_prompt_ids, tool_mode
-from radixgen.api.engine_client import EngineClient
+from radixgen.api.engine_handle import EngineHandle
 from radixgen.api.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -64,7 +64,7 @@ class ChatPlan:
 async def plan_chat(req: ChatCompletionRequest, request: Request, *, id_prefix: str = "chatcmpl") -> ChatPlan:
     check_model(req, request)
     state = request.app.state
-    client: EngineClient = state.client
+    client: EngineHandle = state.client
     legacy = req.functions is not None
     if legacy:
         req = _functions_as_tools(req)
@@ -96,7 +96,7 @@ async def plan_chat(req: ChatCompletionRequest, request: Request, *, id_prefix: 
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     plan = await plan_chat(req, request)
     state = request.app.state
-    client: EngineClient = state.client
+    client: EngineHandle = state.client
     tools, jobs, base_id, model = plan.tools, plan.jobs, plan.base_id, plan.model
     legacy, top = tools.legacy, req.top_logprobs or 0
     started = time.perf_counter()

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from radixgen.api.engine_client import EngineClient
+from radixgen.api.engine_handle import EngineHandle
 from radixgen.api.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -78,7 +78,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     check_model(req, request)
     constraint = constraint_fields(req)
     state = request.app.state
-    client: EngineClient = state.client
+    client: EngineHandle = state.client
     prompts = await asyncio.to_thread(_completion_prompts, state.tokenizer, req.prompt)  # off the event loop
     top = req.logprobs or 0
     jobs = []
@@ -157,7 +157,7 @@ async def _completion_stream(request: Request, req: CompletionRequest, jobs: lis
 @router.post("/generate", response_model=None)
 async def generate(req: GenerateRequest, request: Request) -> Any:
     state = request.app.state
-    client: EngineClient = state.client
+    client: EngineHandle = state.client
     if (req.text is None) == (req.input_ids is None):
         raise InvalidParamsError("give exactly one of text and input_ids")
     ids = _completion_prompts(state.tokenizer, req.text if req.text is not None else req.input_ids)[0]

@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from radixgen.api.chat import ChatFormat
 from radixgen.api.drain import Drain
 from radixgen.api.engine_client import EngineClient
+from radixgen.api.engine_handle import EngineHandle
 from radixgen.api.metrics import ServerMetrics
 from radixgen.api.protocol import ErrorBody, ErrorResponse, ModelCard, ModelList
 from radixgen.api.routes_chat import router as chat_router
@@ -100,12 +101,12 @@ def status_of(exc: Exception) -> int:
     return 400
 
 
-def create_app(config: ServerConfig, *, client: EngineClient | None = None) -> FastAPI:
+def create_app(config: ServerConfig, *, client: EngineHandle | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         from transformers import AutoTokenizer
 
-        engine = client or EngineClient(config, restarts=config.engine_restarts)
+        engine: EngineHandle = client or EngineClient(config, restarts=config.engine_restarts)
         await engine.start()
         app.state.client = engine
         app.state.tokenizer = AutoTokenizer.from_pretrained(engine.info["model_path"])
@@ -167,19 +168,19 @@ def create_app(config: ServerConfig, *, client: EngineClient | None = None) -> F
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        engine: EngineClient = request.app.state.client
+        engine: EngineHandle = request.app.state.client
         if not engine.is_healthy:
             return error_response(503, f"engine unavailable: {engine.dead_reason}", kind="service_unavailable")
         return JSONResponse({"status": "ok", "in_flight": engine.num_in_flight})
 
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
-        engine: EngineClient = request.app.state.client
+        engine: EngineHandle = request.app.state.client
         return ModelList(data=[ModelCard(id=request.app.state.model_name, max_model_len=engine.info.get("max_context_len"))])
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        engine: EngineClient = request.app.state.client
+        engine: EngineHandle = request.app.state.client
         stats: dict[str, Any] | None = None
         if engine.is_healthy:
             try:
@@ -192,7 +193,7 @@ def create_app(config: ServerConfig, *, client: EngineClient | None = None) -> F
     @app.get("/internal/stats")
     async def internal_stats(request: Request) -> JSONResponse:
         """KV accounting and scheduler counters (for tests and debugging)."""
-        client: EngineClient = request.app.state.client
+        client: EngineHandle = request.app.state.client
         return JSONResponse({**await client.stats(), "engine_pid": client.engine_pid})
 
     return app

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import HTTPException, Request
 
 from radixgen.api.drain import Drain
-from radixgen.api.engine_client import EngineClient
+from radixgen.api.engine_handle import EngineHandle
 from radixgen.api.protocol import (
     ChoiceLogprobs,
     PromptTokensDetails,
@@ -134,7 +134,7 @@ def usage(results: list[ChoiceResult]) -> Usage:
 # ---- running requests ---------------------------------------------------------------------
 
 
-async def consume(client: EngineClient, request_id: str, prompt_ids: list[int], params: SamplingParams,
+async def consume(client: EngineHandle, request_id: str, prompt_ids: list[int], params: SamplingParams,
                    result: ChoiceResult, on_delta: Any = None) -> ChoiceResult:
     stream = on_delta is not None or params.logprobs or bool(params.top_logprobs)
     async for out in client.generate(request_id, prompt_ids, params, stream=stream):
@@ -215,7 +215,7 @@ def stream_failure(e: Exception) -> tuple[int, str]:
 Job = tuple[str, list[int], SamplingParams]  # (request id, prompt ids, params)
 
 
-async def run_jobs(request: Request, client: EngineClient, jobs: list[Job], endpoint: str,
+async def run_jobs(request: Request, client: EngineHandle, jobs: list[Job], endpoint: str,
                    started: float) -> list[ChoiceResult] | None:
     """Run non-streaming requests to the end; None when the client went away (all aborted)."""
     results = [ChoiceResult() for _ in jobs]
@@ -269,7 +269,7 @@ async def merge_streams(
 ) -> AsyncIterator[tuple[int, RequestOutput] | None]:
     """Outputs of several requests as they come, tagged with their choice index; None = quiet.
     Past the server's shutdown deadline the stream ends with ``ShuttingDownError``."""
-    client: EngineClient = request.app.state.client
+    client: EngineHandle = request.app.state.client
     queue: asyncio.Queue[Any] = asyncio.Queue()
     done = object()
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from radixgen import tool_formats
 from radixgen.api.chat import ChatFormat, ToolPlan, chat_prompt_ids
-from radixgen.api.engine_client import EngineClient
+from radixgen.api.engine_handle import EngineHandle
 from radixgen.api.protocol import ChatCompletionRequest, Tool
 from radixgen.engine.request import SamplingParams
 
@@ -46,7 +46,7 @@ def applies(decision: str, req: ChatCompletionRequest, plan: ToolPlan) -> bool:
 
 
 class CallScorer:
-    def __init__(self, client: EngineClient, tokenizer: Any, fmt: ChatFormat) -> None:
+    def __init__(self, client: EngineHandle, tokenizer: Any, fmt: ChatFormat) -> None:
         self.client, self.tokenizer, self.fmt = client, tokenizer, fmt
         self._baselines: OrderedDict[tuple[int, ...], list[float]] = OrderedDict()
 

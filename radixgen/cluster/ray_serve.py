@@ -2,7 +2,7 @@
 OpenAI-compatible front as the single-node server, with prefix-affinity routing.
 
 The front (FastAPI, in the ``radixgen serve`` process) keeps its routes; only its engine client
-changes: ``ClusterClient`` has ``EngineClient``'s interface and routes each request to a
+changes: ``ClusterClient`` is an ``EngineHandle`` (the front's engine interface) and routes each request to a
 replica's Serve handle. One application per replica, rather than one deployment with N
 replicas, because the router must choose the replica (Serve's own router balances load but
 does not know prefixes). Serve restarts a replica that dies; the requests it was serving get
@@ -91,7 +91,7 @@ def stop_replicas(num_replicas: int, *, shared_cluster: bool) -> None:
 
 
 class ClusterClient:
-    """``EngineClient``'s interface over N replica handles."""
+    """The front's ``EngineHandle`` over N replica handles."""
 
     def __init__(self, config: ServerConfig, handles: list[Any], router: Router | None = None) -> None:
         self.config = config

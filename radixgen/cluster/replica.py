@@ -35,26 +35,18 @@ class EngineReplica:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        stream: bool) -> AsyncIterator[RequestOutput]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-
-        def on_output(out: RequestOutput) -> None:  # engine thread
-            loop.call_soon_threadsafe(queue.put_nowait, out)
-
+        outputs = self.engine.generate_stream(prompt_ids, params, request_id=request_id, stream=stream)
         try:
-            self.engine.add_request(prompt_ids, params, request_id=request_id, on_output=on_output, stream=stream)
+            first = await outputs.__anext__()
         except ValueError as e:  # a user error the front did not catch
             yield RequestOutput(request_id, [], "", True, FinishReason.ERROR, error=str(e), user_error=True)
             return
-        finished = False
         try:
-            while not finished:
-                out = await queue.get()
-                finished = out.finished
+            yield first
+            async for out in outputs:
                 yield out
-        finally:
-            if not finished:  # the front went away (client disconnect): free the slots now
-                self.engine.abort(request_id)
+        finally:  # the front went away (client disconnect): closing the stream aborts the request
+            await outputs.aclose()
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -17,7 +17,13 @@ import numpy as np
 
 from radixgen.cluster.routing import Router
 from radixgen.config import EngineConfig
-from radixgen.engine.simulator import CostModel, ReplicaSim, TraceRequest, _sim_outputs, trace_tokens
+from radixgen.engine.simulator import (
+    CostModel,
+    ReplicaSim,
+    TraceRequest,
+    _sim_outputs,
+    trace_tokens,
+)
 
 
 @dataclass

@@ -15,7 +15,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -243,22 +243,44 @@ class Engine:
         return results[0] if single else results
 
     async def generate_stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield deltas as they are produced; leaving the loop early aborts the request."""
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+        stream: bool = True,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield deltas as they are produced (``stream=False``: only the final output); leaving
+        the loop early aborts the request. Every asyncio caller of the engine streams this way."""
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def push(out: RequestOutput) -> None:  # engine thread -> this event loop
             loop.call_soon_threadsafe(deltas.put_nowait, out)
 
-        req = self.add_request(prompt, params, request_id=request_id, on_output=push)
+        req = self.add_request(prompt, params, request_id=request_id, on_output=push, stream=stream)
         finished = False
         try:
             while not finished:
                 try:
                     out = await asyncio.wait_for(deltas.get(), timeout=1.0)
                 except asyncio.TimeoutError:
+                    self._check_alive()
+                    continue
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(req.request_id)
+
+    def iter_outputs(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                     request_id: str | None = None) -> Generator[RequestOutput, None, None]:
+        """``generate_stream`` for a blocking caller (a thread): deltas as they are produced;
+        closing the iterator early, or an exception in the caller's loop, aborts the request."""
+        deltas: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        req = self.add_request(prompt, params, request_id=request_id, on_output=deltas.put)
+        finished = False
+        try:
+            while not finished:
+                try:
+                    out = deltas.get(timeout=1.0)
+                except queue.Empty:
                     self._check_alive()
                     continue
                 finished = out.finished

@@ -7,8 +7,8 @@ same because the same engine computes them.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import queue
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -115,18 +115,10 @@ class Runtime(Backend):
         sampling = self._params(params)
         if on_text is None:
             return self._result(self.engine.generate(prompt, sampling))
-        deltas: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        req = self.engine.add_request(prompt, sampling, on_output=deltas.put, stream=True)
-        try:
-            while True:
-                out = deltas.get()
+        with contextlib.closing(self.engine.iter_outputs(prompt, sampling)) as outputs:  # an error in on_text aborts
+            for out in outputs:
                 if out.new_text:
                     on_text(out.new_text)
-                if out.finished:
-                    break
-        except BaseException:
-            self.engine.abort(req.request_id)
-            raise
         return self._result(out)
 
     def generate_batch(self, prompts: Sequence[Prompt], params: Sequence[dict[str, Any]]) -> list[GenResult]:
