@@ -199,3 +199,37 @@ def test_shutdown_engine_refuses_new_work(make_engine: Callable[..., Engine]) ->
     engine.shutdown()
     with pytest.raises(EngineDeadError, match="not running"):
         engine.generate(PROMPTS[0], greedy(2))
+
+
+def test_the_shared_tokenizer_survives_many_threads_while_the_loop_detokenizes(tiny_engine: Engine) -> None:
+    """The engine's one fast tokenizer: run_batch-style threads tokenize and render chats (some
+    with truncation, which reconfigures the tokenizer) while the loop thread detokenizes
+    streamed requests. HF tokenizers used to fail such sharing with "Already borrowed"."""
+    text = "The quick brown fox — naïve, 日本語 — jumps over the lazy dog. " * 40
+    errors: list[BaseException] = []
+    stop = time.monotonic() + 2.0
+
+    def tokenize() -> None:
+        try:
+            while time.monotonic() < stop:
+                tiny_engine.tokenize(text)
+                tiny_engine.apply_chat_template([{"role": "user", "content": text}])
+                tiny_engine.tokenizer(text, truncation=True, max_length=8)
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    def stream(i: int) -> None:
+        try:
+            while time.monotonic() < stop:
+                outs = list(tiny_engine.iter_outputs(f"request {i}", SamplingParams(max_new_tokens=24, ignore_eos=True)))
+                assert outs[-1].finish_reason is FinishReason.LENGTH and outs[-1].completion_tokens == 24
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=tokenize) for _ in range(16)] + [threading.Thread(target=stream, args=(i,))
+                                                                        for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors[:3]

@@ -10,7 +10,15 @@ import pytest
 from radixgen import EngineConfig
 from radixgen.api.cli import main as cli_main
 from radixgen.engine.planner import DecodeReserve
-from radixgen.engine.simulator import ReplicaSim, TraceRequest, trace_tokens, load_trace, simulate, synthetic_trace, write_trace
+from radixgen.engine.simulator import (
+    ReplicaSim,
+    TraceRequest,
+    load_trace,
+    simulate,
+    synthetic_trace,
+    trace_tokens,
+    write_trace,
+)
 
 
 def _deterministic(report: object) -> dict[str, object]:
