@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,10 +36,9 @@ from radixgen.api.serving import (
     constraint_fields,
     merge_streams,
     observe_latency,
-    record,
+    recorded_stream,
     run_jobs,
     sse,
-    stream_failure,
     token_logprobs,
     usage,
 )
@@ -161,8 +161,8 @@ async def _chat_stream(request: Request, req: ChatCompletionRequest, tools: Tool
 
     for i in range(len(jobs)):
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-    status = 200
-    try:
+
+    async def body() -> AsyncGenerator[str, None]:
         async for item in merge_streams(request, jobs):
             if item is None:
                 yield ": keep-alive\n\n"
@@ -200,13 +200,9 @@ async def _chat_stream(request: Request, req: ChatCompletionRequest, tools: Tool
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunk([], usage=usage(results))
         yield sse("[DONE]")
-    except asyncio.CancelledError:
-        status = 499
-        raise
-    except Exception as e:  # noqa: BLE001 - after the first byte the status cannot change: report in-band
-        status, kind = stream_failure(e)
-        yield sse({"error": {"message": str(e), "type": kind, "code": status}})
-    finally:
-        record(request, "chat", status, results, started)
+
+    async with contextlib.aclosing(recorded_stream(request, "chat", results, started, body())) as frames:
+        async for framed in frames:
+            yield framed
 
 

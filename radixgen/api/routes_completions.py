@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -30,10 +31,9 @@ from radixgen.api.serving import (
     constraint_fields,
     merge_streams,
     observe_latency,
-    record,
+    recorded_stream,
     run_jobs,
     sse,
-    stream_failure,
 )
 from radixgen.engine.request import RequestOutput, SamplingParams
 from radixgen.errors import InvalidParamsError, PromptTooLongError
@@ -117,8 +117,8 @@ async def _completion_stream(request: Request, req: CompletionRequest, jobs: lis
     created = int(time.time())
     results = [ChoiceResult() for _ in jobs]
     last_token_at: list[float | None] = [None] * len(jobs)
-    status = 200
-    try:
+
+    async def body() -> AsyncGenerator[str, None]:
         async for item in merge_streams(request, jobs):
             if item is None:
                 yield ": keep-alive\n\n"
@@ -141,14 +141,10 @@ async def _completion_stream(request: Request, req: CompletionRequest, jobs: lis
                         "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
                                   "total_tokens": prompt + completion}})
         yield sse("[DONE]")
-    except asyncio.CancelledError:
-        status = 499
-        raise
-    except Exception as e:  # noqa: BLE001 - after the first byte the status cannot change: report in-band
-        status, kind = stream_failure(e)
-        yield sse({"error": {"message": str(e), "type": kind, "code": status}})
-    finally:
-        record(request, "completions", status, results, started)
+
+    async with contextlib.aclosing(recorded_stream(request, "completions", results, started, body())) as frames:
+        async for framed in frames:
+            yield framed
 
 
 # ---- /generate (native) ---------------------------------------------------------------------
@@ -191,8 +187,8 @@ async def _generate_stream(request: Request, rid: str, ids: list[int], params: S
                            started: float) -> AsyncIterator[str]:
     result = ChoiceResult()
     last_token_at: list[float | None] = [None]
-    status = 200
-    try:
+
+    async def body() -> AsyncGenerator[str, None]:
         async for item in merge_streams(request, [(rid, ids, params)]):
             if item is None:
                 yield ": keep-alive\n\n"
@@ -203,14 +199,10 @@ async def _generate_stream(request: Request, rid: str, ids: list[int], params: S
             yield sse({"text": out.new_text, "token_ids": out.new_token_ids, "finished": out.finished,
                        "meta": _meta(out)})
         yield sse("[DONE]")
-    except asyncio.CancelledError:
-        status = 499
-        raise
-    except Exception as e:  # noqa: BLE001 - after the first byte the status cannot change: report in-band
-        status, kind = stream_failure(e)
-        yield sse({"error": {"message": str(e), "type": kind, "code": status}})
-    finally:
-        record(request, "generate", status, [result], started)
+
+    async with contextlib.aclosing(recorded_stream(request, "generate", [result], started, body())) as frames:
+        async for framed in frames:
+            yield framed
 
 
 @router.post("/tokenize")

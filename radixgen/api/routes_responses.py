@@ -10,12 +10,12 @@ cache still holds their KV, so a follow-up pays only for its new tokens.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,10 +39,9 @@ from radixgen.api.serving import (
     apply,
     merge_streams,
     observe_latency,
-    record,
+    recorded_stream,
     run_jobs,
     sse,
-    stream_failure,
 )
 from radixgen.errors import InvalidParamsError
 
@@ -243,13 +242,12 @@ async def _stream(request: Request, req: ResponsesRequest, plan: ChatPlan, histo
     # output items in the order they open: the reasoning item, the message, each function call
     opened: list[tuple[str, int]] = []  # (kind, call index)
     reasoning_id = f"rs-{message_id}"
-    pending_text = ""
 
     def index_of(kind: str, call: int = -1) -> int:
         return opened.index((kind, call))
 
-    status = 200
-    try:
+    async def body() -> AsyncGenerator[str, None]:
+        pending_text = ""
         async for item in merge_streams(request, plan.jobs):
             if item is None:
                 yield ": keep-alive\n\n"
@@ -321,11 +319,7 @@ async def _stream(request: Request, req: ResponsesRequest, plan: ChatPlan, histo
         _remember(request, req, history, reader.content, calls, plan.base_id)
         final = _response(req, plan, result, output, created).model_dump(exclude_none=True)
         yield event("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
-    except asyncio.CancelledError:
-        status = 499
-        raise
-    except Exception as e:  # noqa: BLE001 - after the first byte the status cannot change: report in-band
-        status, _ = stream_failure(e)
-        yield event("error", code=str(status), message=str(e), param=None)
-    finally:
-        record(request, "responses", status, [result], started)
+
+    async with contextlib.aclosing(recorded_stream(request, "responses", [result], started, body(), lambda status, kind, message: event("error", code=str(status), message=message, param=None))) as frames:
+        async for framed in frames:
+            yield framed

@@ -4,11 +4,12 @@ requests (with disconnect handling and stream merging), SSE framing, metrics rec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,6 +201,31 @@ def drain_of(request: Request) -> Drain:
 
 
 _NO_DRAIN = Drain(timeout_s=0.0)  # apps built without one (tests mounting the routes alone)
+
+
+def _openai_error_event(status: int, kind: str, message: str) -> str:
+    return sse({"error": {"message": message, "type": kind, "code": status}})
+
+
+async def recorded_stream(request: Request, endpoint: str, results: list[ChoiceResult], started: float,
+                          body: AsyncGenerator[str, None],
+                          error_event: Callable[[int, str, str], str] = _openai_error_event) -> AsyncGenerator[str, None]:
+    """A route's SSE body with what every stream needs around it: a failure after the first byte
+    reported in-band (the status line has gone out), a client that went away counted as 499, the
+    request recorded in the metrics either way."""
+    status = 200
+    try:
+        async with contextlib.aclosing(body) as frames:  # a closed stream closes its body at once
+            async for framed in frames:
+                yield framed
+    except asyncio.CancelledError:
+        status = 499
+        raise
+    except Exception as e:  # noqa: BLE001 - after the first byte the status cannot change: report in-band
+        status, kind = stream_failure(e)
+        yield error_event(status, kind, str(e))
+    finally:
+        record(request, endpoint, status, results, started)
 
 
 def stream_failure(e: Exception) -> tuple[int, str]:
