@@ -41,6 +41,13 @@ class Matcher(ABC):
     @abstractmethod
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None: ...
 
+    @classmethod
+    def fill_bitmasks(cls, matchers: list[Matcher], bitmask: np.ndarray, rows: list[int]) -> None:
+        """``fill_bitmask`` for several matchers of this backend (one call where the backend
+        fills a batch itself)."""
+        for matcher, row in zip(matchers, rows, strict=True):
+            matcher.fill_bitmask(bitmask, row)
+
     @abstractmethod
     def accept(self, token_id: int) -> bool: ...
 

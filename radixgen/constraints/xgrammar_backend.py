@@ -27,6 +27,8 @@ _SEPARATORS = (", ", ": ")
 
 
 class XGrammarMatcher(Matcher):
+    _batch: Any = None  # xgrammar's batch matcher: fills many requests' rows on its own threads
+
     def __init__(self, compiled: Any, allowed_words: np.ndarray | None = None) -> None:
         self._m = xgr.GrammarMatcher(compiled)
         self._allowed_words = allowed_words
@@ -35,6 +37,20 @@ class XGrammarMatcher(Matcher):
         self._m.fill_next_token_bitmask(torch.from_numpy(bitmask), row)
         if self._allowed_words is not None:
             bitmask[row] &= self._allowed_words
+
+    @classmethod
+    def fill_bitmasks(cls, matchers: list[Matcher], bitmask: np.ndarray, rows: list[int]) -> None:
+        if len(matchers) < 2:
+            super().fill_bitmasks(matchers, bitmask, rows)
+            return
+        if cls._batch is None:
+            cls._batch = xgr.BatchGrammarMatcher()
+        ours = [m for m in matchers if isinstance(m, XGrammarMatcher)]
+        assert len(ours) == len(matchers), "fill_bitmasks takes one backend's matchers"
+        cls._batch.batch_fill_next_token_bitmask([m._m for m in ours], torch.from_numpy(bitmask), indices=rows)
+        for m, row in zip(ours, rows, strict=True):
+            if m._allowed_words is not None:
+                bitmask[row] &= m._allowed_words
 
     def accept(self, token_id: int) -> bool:
         return bool(self._m.accept_token(token_id))

@@ -130,9 +130,17 @@ class ConstrainedDecoding:
             return None
         mask = self._bitmask[: plan.batch_size]
         mask.fill(ALL_ALLOWED)
+        by_backend: dict[type[Matcher], tuple[list[Matcher], list[int]]] = {}
+        for i in rows:
+            matcher = plan.requests[i].matcher
+            assert matcher is not None
+            group = by_backend.setdefault(type(matcher), ([], []))
+            group[0].append(matcher)
+            group[1].append(i)
+        for kind, (matchers, indices) in by_backend.items():
+            kind.fill_bitmasks(matchers, mask, indices)
         for i in rows:
             req = plan.requests[i]
-            req.matcher.fill_bitmask(mask, i)  # type: ignore[union-attr]
             banned = req.bans.get(len(req.output_ids))
             if banned:
                 ban_tokens(mask[i], banned)

@@ -212,3 +212,25 @@ def test_forced_string_is_what_the_schema_fixes(service: GrammarService) -> None
         pytest.skip("outlines' index has no forced-text query: jump-forward does nothing with that backend")
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     assert service.compile(schema_spec(schema)).matcher().forced_string() == '{"name": "'
+
+
+def test_filling_many_rows_at_once_equals_filling_each(service: GrammarService, tokenizer: Any) -> None:
+    """The batch fill (xgrammar's batch matcher; a loop for the other backends) gives every row
+    what its own matcher gives, whatever state each is in, and leaves other rows alone."""
+    grammar = service.compile(schema_spec({"type": "object", "properties": {
+        "name": {"type": "string"}, "tags": {"type": "array", "items": {"enum": ["a", "bb"]}}},
+        "required": ["name", "tags"]}))
+    prefixes = ['{"', '{"name": "x', '{"name": "x", "tags": [', '{"name": "x", "tags": ["a"', "", '{"name"']
+    matchers = [grammar.matcher() for _ in prefixes]
+    for matcher, prefix in zip(matchers, prefixes, strict=True):
+        for token in tokenizer.encode(prefix, add_special_tokens=False):
+            assert matcher.accept(token)
+    rows = [1, 2, 4, 5, 6, 7]
+    batched = allocate_bitmask(8, 49152)
+    type(matchers[0]).fill_bitmasks(matchers, batched, rows)
+    each = allocate_bitmask(8, 49152)
+    for matcher, row in zip(matchers, rows, strict=True):
+        matcher.fill_bitmask(each, row)
+    assert np.array_equal(batched, each)
+    assert len({batched[r].tobytes() for r in rows}) > 3, "the states differ, so must their masks"
+    assert (batched[[0, 3]] == allocate_bitmask(2, 49152)).all(), "rows not asked for are untouched"
