@@ -1,6 +1,6 @@
 """Engine: the in-process front of the scheduler loop.
 
-The loop runs in a background thread. Callers hand requests over through a queue that the loop
+The loop runs in a background thread (each of its steps is ``step.StepPipeline``). Callers hand requests over through a queue that the loop
 drains once per step; requests that arrive while others run join the batch at the next step.
 Results come back through a per-request callback that the loop calls.
 """
@@ -13,23 +13,21 @@ import logging
 import queue
 import random
 import threading
-import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Generator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-import torch
 
 from radixgen.config import EngineConfig
 from radixgen.constraints import Grammar
-from radixgen.engine.batch import StepKind, StepPlan
 from radixgen.engine.constrained import ConstrainedDecoding
-from radixgen.engine.model_runner import ModelRunner, split_prompt_scores
+from radixgen.engine.model_runner import ModelRunner
 from radixgen.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from radixgen.engine.sampler import Sampler, SamplingBatchCache
 from radixgen.engine.scheduler import Scheduler
+from radixgen.engine.step import StepPipeline
 from radixgen.errors import (
     EngineDeadError,
     InvalidConstraintError,
@@ -140,8 +138,9 @@ class Engine:
         self._stopped = threading.Event()
         self._dead_reason: str | None = None
         self._active_ids: set[str] = set()
-        self._sampling_batches = SamplingBatchCache(self.model_config.vocab_size, self.runner.device,
-                                                    tuple(self.model_config.eos_token_ids))
+        self.pipeline = StepPipeline(self.scheduler, self.runner, self.sampler, self.constraints,
+                                     SamplingBatchCache(self.model_config.vocab_size, self.runner.device,
+                                                        tuple(self.model_config.eos_token_ids)))
         self._aborted_while_compiling: set[str] = set()
         self._lock = threading.Lock()
         self._started.set()  # the loop may begin serving
@@ -456,7 +455,7 @@ class Engine:
         try:
             while not self._stopped.is_set():
                 self._drain_inbox(block=not self.scheduler.has_work())
-                self.step()
+                self.pipeline.run()
                 if self._after_step is not None:
                     self._after_step()
         except BaseException as e:  # the loop itself broke: fail everything, refuse new work
@@ -468,44 +467,3 @@ class Engine:
             if self._after_step is not None:
                 self._after_step()
             self.scheduler.stats.close()
-
-    @staticmethod
-    def _record_prompt_scores(plan: StepPlan, scores: np.ndarray) -> None:
-        scoring = plan.prompt_scoring
-        assert scoring is not None
-        for i in np.unique(scoring.owners).tolist():
-            mine = scoring.owners == i
-            store = plan.requests[i].prompt_logprobs
-            assert store is not None
-            store[scoring.offsets[mine]] = scores[mine]
-
-    def step(self) -> None:
-        """One scheduler step: plan, forward, sample, hand out results (loop thread only)."""
-        plan = self.scheduler.schedule()
-        if plan is None:
-            return
-        start = time.perf_counter()
-        try:
-            if plan.kind is StepKind.PREFILL:
-                for i, req in enumerate(plan.requests[: plan.num_prefill]):
-                    # first chunk since admission: (re)build the penalty counts of its row
-                    if req.params.has_penalties and plan.prefix_lens[i] == req.prefix_len:
-                        self.sampler.penalties.reset_row(req.pool_row, req.prompt_ids, req.output_ids)
-            with torch.inference_mode():  # logits are inference tensors; sampling edits them in place
-                logits = self.runner.forward(plan)
-                if plan.prompt_scoring is not None:
-                    logits, scores = split_prompt_scores(plan, logits)
-                    self._record_prompt_scores(plan, scores)
-                if plan.verify_counts is not None:
-                    logits = self.constraints.verify_forced(plan, logits)
-                result = self.sampler(logits, self._sampling_batches.get(plan), self.constraints.bitmask(plan))
-        except Exception as e:  # an internal fault fails this step's requests, not the engine
-            logger.exception("step failed")
-            self.scheduler.fail_step(plan, f"internal error: {type(e).__name__}: {e}")
-            return
-        self.scheduler.process_results(plan, result, forward_s=time.perf_counter() - start)
-        replaced = self.scheduler.outputs.replaced_samples
-        for req in replaced:  # their sampled token was not the one kept: recount from the output
-            if req.params.has_penalties and req.pool_row >= 0:
-                self.sampler.penalties.reset_row(req.pool_row, req.prompt_ids, req.output_ids)
-        replaced.clear()
