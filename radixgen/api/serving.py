@@ -174,11 +174,16 @@ async def until_done_or_gone(request: Request, tasks: list[asyncio.Task[Any]]) -
     """Wait for the tasks; if the client disconnects first, or the server's shutdown deadline
     passes, cancel them (aborting in the engine)."""
     watcher = asyncio.create_task(client_gone(request))
-    deadline = asyncio.Event()
+    deadline_passed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     pending: set[asyncio.Future[Any]] = set(tasks)
+    drain: Drain = request.app.state.drain
+
+    def pass_deadline() -> None:
+        if not deadline_passed.done():
+            deadline_passed.set_result(None)
+
     try:
-        with drain_of(request).on_abort(deadline.set):
-            deadline_passed = asyncio.create_task(deadline.wait())
+        with drain.on_abort(pass_deadline):
             while pending:
                 done, _ = await asyncio.wait(pending | {watcher, deadline_passed}, return_when=asyncio.FIRST_COMPLETED)
                 pending -= done
@@ -191,16 +196,7 @@ async def until_done_or_gone(request: Request, tasks: list[asyncio.Task[Any]]) -
                     raise ClientGone()
     finally:
         watcher.cancel()
-        deadline_passed.cancel()
     return [t.result() for t in tasks]
-
-
-def drain_of(request: Request) -> Drain:
-    drain: Drain | None = getattr(request.app.state, "drain", None)
-    return drain if drain is not None else _NO_DRAIN
-
-
-_NO_DRAIN = Drain(timeout_s=0.0)  # apps built without one (tests mounting the routes alone)
 
 
 def _openai_error_event(status: int, kind: str, message: str) -> str:
@@ -311,7 +307,8 @@ async def merge_streams(
     tasks = [asyncio.create_task(pump(i, *job)) for i, job in enumerate(jobs)]
     remaining = len(tasks)
     try:
-        with drain_of(request).on_abort(lambda: queue.put_nowait(Drain.error())):
+        drain: Drain = request.app.state.drain
+        with drain.on_abort(lambda: queue.put_nowait(Drain.error())):
             while remaining:
                 try:
                     item = await _get_within(queue, _KEEPALIVE_S)

@@ -218,12 +218,12 @@ class OutputProcessor:
                 return None
             return self._emit_delta(req, has_new_token)
         detok = self.detokenizers[req.request_id]
-        out = RequestOutput(
+        out = RequestOutput(  # the final output
             request_id=req.request_id,
-            new_text=detok.take_delta(final) if self.tokenizer is not None else "",
-            new_token_ids=req.output_ids if final and req.validation is not None and req.stream else (
+            new_text=detok.take_delta(True) if self.tokenizer is not None else "",
+            new_token_ids=req.output_ids if req.validation is not None and req.stream else (
                 req.output_ids[-1:] if has_new_token else []),
-            finished=final,
+            finished=True,
             finish_reason=req.finish_reason,
             error=req.error,
             user_error=req.user_error,
@@ -232,10 +232,10 @@ class OutputProcessor:
             cached_tokens=req.cached_tokens,
             new_logprobs=req.output_logprobs[-1:] if has_new_token and req.params.logprobs else None,
             new_top_logprobs=req.output_top_logprobs[-1:] if has_new_token and req.params.top_logprobs else None,
-            output_ids=list(req.output_ids) if final else None,
-            prompt_logprobs=req.prompt_logprobs.tolist() if final and req.prompt_logprobs is not None else None,
-            text=detok.text if final else None,
-            shortened=final and req.budget is not None and req.budget.shortened,
+            output_ids=list(req.output_ids),
+            prompt_logprobs=req.prompt_logprobs.tolist() if req.prompt_logprobs is not None else None,
+            text=detok.text,
+            shortened=req.budget is not None and req.budget.shortened,
         )
         if req.on_output is not None:
             req.on_output(out)

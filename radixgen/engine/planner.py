@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 # steps pass without one, as SGLang's new-token ratio does.
 _RESERVE_RATIO = 0.5
 _RESERVE_HORIZON_BASE = 128
-_RESERVE_HORIZON_DECAY = 1 / 512  # per decode step: the excess halves in ~350 steps
+_RESERVE_HORIZON_DECAY = 1 / 512  # per step that decodes: the excess halves in ~350 steps
 # Past this queue length, lpm falls back to fcfs (matching every waiting prompt costs time).
 _LPM_MAX_QUEUE = 128
 
@@ -158,6 +158,8 @@ class BatchPlanner:
                 plan = self._with_decode_rows(plan)
         if plan is None and self.running:
             plan = self._schedule_decode()
+        if plan is not None and (plan.kind is StepKind.DECODE or plan.num_decode):
+            self.reserve.decode_step()  # the running requests decode in this step, mixed or not
         return plan
 
     def _schedule_prefill(self) -> StepPlan | None:
@@ -304,7 +306,6 @@ class BatchPlanner:
         )
 
     def _schedule_decode(self) -> StepPlan | None:
-        self.reserve.decode_step()
         if self.chunked is not None and self.kv.short_of(len(self.running)):
             # a half-prefilled prompt holds KV that no running request can use: it goes first
             self._retract_chunked()
@@ -352,10 +353,9 @@ class BatchPlanner:
 
     def _requeue_retracted(self, req: Request) -> None:
         self.kv.release(req, cache=True)
-        req.status = RequestStatus.WAITING
         req.num_retractions += 1
         self.log.current.retracted += 1
         self.log.current.retracted_again += req.num_retractions > 1
         self.reserve.retracted()
-        self.waiting.appendleft(req)
+        self.requeue(req)
         logger.debug("retracted %s (%d tokens)", req.request_id, req.seq_len)

@@ -104,6 +104,10 @@ class ResultProcessor:
         model's own token for that index is appended next, as if sampled in this step."""
         removed = len(req.output_ids) - keep
         self.kv.truncate(req, req.num_computed - removed)  # keeps the positions before the first dropped token
+        self._truncate_output(req, keep)
+
+    def _truncate_output(self, req: Request, keep: int) -> None:
+        """Keep the first ``keep`` output tokens (their logprobs and text state with them)."""
         del req.output_ids[keep:]
         del req.output_logprobs[keep:]
         del req.output_top_logprobs[keep:]
@@ -134,10 +138,7 @@ class ResultProcessor:
         req.matcher.rollback(removed)
         req.bans = {pos: toks for pos, toks in req.bans.items() if pos <= keep or pos == ban_at}
         req.bans.setdefault(ban_at, set()).add(req.output_ids[ban_at])
-        del req.output_ids[keep:]
-        del req.output_logprobs[keep:]
-        del req.output_top_logprobs[keep:]
-        self.outputs.rewind(req, keep)
+        self._truncate_output(req, keep)
         # KV stays valid for the kept tokens but the last one (it is fed again to resample)
         kept_computed = req.prompt_len + keep - 1
         if kept_computed >= req.prefix_len:
