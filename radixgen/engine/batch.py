@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from radixgen.engine.request import Request
-from radixgen.models.attention import AttentionPlan, PrefillSpan
+from radixgen.models.attention import AttentionPlan, PrefillSpan, additive_mask
 
 
 class StepKind(enum.Enum):
@@ -124,7 +124,10 @@ def build_attention_plan(
 
     if plan.kind is StepKind.DECODE:
         visible = (key_pos[None, :] < seq_lens[:, None]).view(batch, 1, 1, max_len)
-        return AttentionPlan(out_cache_loc, kv_indices, _additive(visible, dtype), None, None, is_decode=True)
+        return AttentionPlan(
+            out_cache_loc, kv_indices, additive_mask(visible, dtype), None, None, is_decode=True,
+            query_positions=(seq_lens - 1)[:, None],
+        )
 
     max_q = int(plan.extend_lens.max())
     q_pos = torch.arange(max_q, device=device)
@@ -138,8 +141,8 @@ def build_attention_plan(
     flat = torch.arange(batch * max_q, device=device).view(batch, max_q)
     query_unpad = flat[is_real]  # row-major == the flat token order
     return AttentionPlan(
-        out_cache_loc, kv_indices, _additive(visible.unsqueeze(1), dtype), query_index, query_unpad,
-        is_decode=False,
+        out_cache_loc, kv_indices, additive_mask(visible.unsqueeze(1), dtype), query_index, query_unpad,
+        is_decode=False, query_positions=prefix[:, None] + q_pos[None, :],
     )
 
 
@@ -149,20 +152,14 @@ def _prefill_spans(
     spans = []
     start = 0
     for row, prefix, extend in zip(plan.rows.tolist(), plan.prefix_lens.tolist(), plan.extend_lens.tolist(), strict=True):
-        span = PrefillSpan(start, extend)
+        span = PrefillSpan(start, extend, prefix=prefix)
         if prefix:
             seq_len = prefix + extend
             span.kv_slots = req_to_token[row, :seq_len]
             # new token i sees keys 0 .. prefix + i
             key_pos = torch.arange(seq_len, device=device)
             visible = key_pos[None, :] <= prefix + torch.arange(extend, device=device)[:, None]
-            span.mask = _additive(visible.view(1, 1, extend, seq_len), dtype)
+            span.mask = additive_mask(visible.view(1, 1, extend, seq_len), dtype)
         spans.append(span)
         start += extend
     return spans
-
-
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bool mask -> 0 / -inf in the model's dtype, once per step: SDPA would otherwise convert
-    a bool mask again in every layer."""
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))

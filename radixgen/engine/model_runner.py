@@ -13,7 +13,7 @@ from radixgen.config import AttentionBackend, EngineConfig
 from radixgen.engine.batch import StepPlan, build_attention_plan
 from radixgen.engine.kv_pool import KVPool
 from radixgen.kernels import CpuKernels, cpu_kernels
-from radixgen.models import LlamaForCausalLM, LoadedModel, load_model, torch_dtype
+from radixgen.models import CausalLM, LoadedModel, load_model, torch_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def set_compute_threads(num_threads: int | None) -> int:
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, pool: KVPool, device: torch.device,
+        self, model: CausalLM, pool: KVPool, device: torch.device,
         attention_backend: AttentionBackend = "auto", small_linear_max_tokens: int = 2,
     ) -> None:
         self.model = model

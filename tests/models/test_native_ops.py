@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from radixgen.kernels import CpuKernels, cpu_kernels
-from radixgen.models.config import RopeScaling
-from radixgen.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from radixgen.models.config import RopeSpec
+from radixgen.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
 BF16_ULP = 2.0**-7  # relative spacing of bfloat16 values
@@ -108,11 +108,15 @@ def test_rms_norm_and_fused_residual_add(kernels, dtype, tokens) -> None:
     assert torch.isfinite(normed).all()
 
 
+def _rope_spec(head_dim: int, attention_factor: float = 1.0) -> RopeSpec:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    return RopeSpec(tuple(inv_freq.tolist()), attention_factor)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (2, 1, 80)])
 def test_rope_store_kv_matches_rotate_and_pool_write(kernels, dtype, heads, kv_heads, head_dim) -> None:
-    scaling = RopeScaling("llama3", factor=8.0, original_max_position_embeddings=64)
-    rope = RotaryEmbedding(head_dim, 512, 10000.0, scaling, dtype)
+    rope = RotaryEmbedding(head_dim, 512, _rope_spec(head_dim, attention_factor=1.2), dtype)
     tokens = 7
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
     positions = torch.tensor([0, 1, 2, 100, 511, 37, 5])
@@ -134,7 +138,7 @@ def test_rope_store_kv_matches_rotate_and_pool_write(kernels, dtype, heads, kv_h
 
 
 def test_rope_store_kv_rejects_bad_slots_and_positions_before_writing(kernels) -> None:
-    rope = RotaryEmbedding(16, 8, 10000.0, RopeScaling("default"), torch.float32)
+    rope = RotaryEmbedding(16, 8, _rope_spec(16), torch.float32)
     qkv = torch.ones(2, 4 * 16)
     k_cache, v_cache = torch.zeros(4, 1, 16), torch.zeros(4, 1, 16)
     with pytest.raises(RuntimeError, match="outside the pool"):
@@ -157,7 +161,7 @@ def test_silu_mul_matches_swiglu_activation(kernels, dtype, tokens) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu_native_path_matches_eager(kernels, dtype) -> None:
-    mlp = SwiGLU(64, 96, False, dtype)
+    mlp = GatedMLP(64, 96, False, dtype)
     for p in mlp.parameters():
         torch.nn.init.normal_(p, std=0.2)
     for module in (mlp.gate_up, mlp.down):
