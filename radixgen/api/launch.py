@@ -79,11 +79,14 @@ class ChildServer:
 
 
 class ServerProcess(ChildServer):
-    def __init__(self, *args: str, model: str | None = None, port: int | None = None, timeout: float = 600.0) -> None:
-        """``args`` are more ``radixgen serve`` flags."""
+    def __init__(
+        self, *args: str, model: str | None = None, port: int | None = None, timeout: float = 600.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """``args`` are more ``radixgen serve`` flags; ``env``, variables added to the child's."""
         port = port or free_port()
         cmd = [sys.executable, "-m", "radixgen.api.cli", "serve", "--port", str(port), "--log-level", "warning"]
-        super().__init__([*cmd, *(["--model", model] if model else []), *args], port, timeout=timeout)
+        super().__init__([*cmd, *(["--model", model] if model else []), *args], port, env=env, timeout=timeout)
 
 
 def launch_server(*args: str, model: str | None = None, port: int | None = None) -> ServerProcess:

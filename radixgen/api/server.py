@@ -35,7 +35,7 @@ from radixgen.api.serving import TokenBytes
 from radixgen.api.tool_decision import CallScorer
 from radixgen.config import ServerConfig
 from radixgen.errors import EngineDeadError, OverloadedError, RadixgenError
-from radixgen.models.loader import DEFAULT_MODEL_NAME
+from radixgen.models.loader import DEFAULT_MODEL_NAME, is_hub_id
 
 logger = logging.getLogger(__name__)
 
@@ -83,12 +83,14 @@ class RequestGuard:
 
 
 def served_name(config: ServerConfig) -> str:
-    """What /v1/models calls the loaded model: --served-model-name, else its folder's or GGUF
-    file's name."""
+    """What /v1/models calls the loaded model: --served-model-name, else a hub id as given
+    (``Qwen/Qwen3-0.6B``, as vLLM and SGLang call it), else its folder's or GGUF file's name."""
     if config.served_model_name:
         return config.served_model_name
     if config.model is None:
         return DEFAULT_MODEL_NAME
+    if is_hub_id(config.model):
+        return config.model
     name = Path(config.model).name
     return name.removesuffix(".gguf") or config.model
 

@@ -103,15 +103,18 @@ def build_params(req: SamplingFields, prompt_len: int, engine_info: dict[str, An
         except ValueError:
             raise InvalidParamsError("logit_bias keys must be token ids (integers as strings), "
                                      f"got {sorted(req.logit_bias)[:3]}") from None
+    # a field the request leaves out takes the model's generation_config value, then OpenAI's default
+    model = engine_info.get("sampling_defaults") or {}
     return SamplingParams(
         max_new_tokens=max_tokens or (room if cap is None else min(room, cap)),
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
+        temperature=model.get("temperature", 1.0) if req.temperature is None else req.temperature,
+        top_p=model.get("top_p", 1.0) if req.top_p is None else req.top_p,
+        top_k=int(model.get("top_k", -1)) if req.top_k is None else req.top_k,
+        min_p=model.get("min_p", 0.0) if req.min_p is None else req.min_p,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=model.get("repetition_penalty", 1.0) if req.repetition_penalty is None
+        else req.repetition_penalty,
         seed=None if req.seed is None else req.seed + seed_offset,
         stop=tuple([req.stop] if isinstance(req.stop, str) else req.stop or ()),
         stop_token_ids=tuple(req.stop_token_ids or ()),

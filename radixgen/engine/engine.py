@@ -126,6 +126,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.model_path = loaded.path
+        self.sampling_defaults = dict(loaded.sampling_defaults)
         pool = self.runner.pool
         self.constraints = ConstrainedDecoding(self.config, self.tokenizer, self.model_config.vocab_size,
                                                list(self.model_config.eos_token_ids), self.runner.device)
@@ -334,7 +335,8 @@ class Engine:
         pool = self.runner.pool
         return {"max_context_len": pool.max_context_len, "kv_slots": pool.num_slots,
                 "vocab_size": self.model_config.vocab_size, "model_path": str(self.model_path),
-                "max_new_tokens_limit": self.config.max_new_tokens_limit}
+                "max_new_tokens_limit": self.config.max_new_tokens_limit,
+                "sampling_defaults": self.sampling_defaults, "architecture": self.model_config.architecture}
 
     def stats_snapshot(self) -> dict[str, Any]:
         """KV accounting and scheduler counters, read consistently on the engine thread."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch
 from radixgen.models.config import ModelConfig
 from radixgen.models.decoder import CausalLM
 from radixgen.models.families import FAMILIES, supported_architectures
-from radixgen.models.loader import load_state_dict, resolve_model_dir
+from radixgen.models.loader import generation_defaults, load_state_dict, resolve_model_dir
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -23,6 +24,8 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Any  # a transformers fast tokenizer
     path: Path
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
+    """The model's generation_config.json sampling fields, for requests that leave them out."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -44,14 +47,18 @@ def build_model(
 def load_model(
     model: str | os.PathLike[str] | None = None, *, dtype: str = "float32", device: str = "cpu",
 ) -> LoadedModel:
-    """Load a checkpoint (HF folder, .gguf, or None for the bundled SmolLM2) and its tokenizer."""
+    """Load a checkpoint (HF folder, .gguf, hub id, or None for the bundled SmolLM2), its
+    tokenizer and its generation config."""
     from transformers import AutoConfig, AutoTokenizer
 
     model_dir = resolve_model_dir(model)
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    generation_eos, sampling = generation_defaults(model_dir)
+    # an instruct model's end-of-turn tokens are EOS too (Llama 3's <|eot_id|>, Qwen's <|im_end|>)
+    cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + generation_eos)))
     net = build_model(cfg, load_state_dict(model_dir), dtype=torch_dtype(dtype), device=device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return LoadedModel(model=net, config=cfg, tokenizer=tokenizer, path=model_dir)
+    return LoadedModel(model=net, config=cfg, tokenizer=tokenizer, path=model_dir, sampling_defaults=sampling)
 
 
 __all__ = ["FAMILIES", "CausalLM", "LoadedModel", "ModelConfig", "build_model", "load_model", "supported_architectures", "torch_dtype"]

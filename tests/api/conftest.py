@@ -16,9 +16,9 @@ from radixgen.api.launch import ServerProcess
 class LiveServer(ServerProcess):
     """``radixgen serve`` as users start it, plus the test's view of its KV accounting."""
 
-    def __init__(self, args: list[str], api_key: str | None = None) -> None:
+    def __init__(self, args: list[str], api_key: str | None = None, env: dict[str, str] | None = None) -> None:
         self.api_key = api_key
-        super().__init__(*args, *(["--api-key", api_key] if api_key else []), timeout=240)
+        super().__init__(*args, *(["--api-key", api_key] if api_key else []), timeout=240, env=env)
 
     @property
     def headers(self) -> dict[str, str]:

@@ -49,7 +49,8 @@ def family_configs() -> dict[str, Any]:
         "phi3-longrope": t.Phi3Config(
             **_COMMON, pad_token_id=0, original_max_position_embeddings=128,
             rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
-                          "long_factor": [2.0 + 0.5 * i for i in range(8)], "original_max_position_embeddings": 128}),
+                          "long_factor": [2.0 + 0.5 * i for i in range(8)], "original_max_position_embeddings": 128,
+                          "factor": 8.0}),
         "phi4-mini-partial-rotary": t.Phi3Config(
             **_COMMON, partial_rotary_factor=0.75, tie_word_embeddings=True, pad_token_id=0),
         "olmo2": t.Olmo2Config(**_COMMON, pad_token_id=0),
