@@ -10,7 +10,12 @@ they share prefixes by construction, and a cache hit would skip prefill that tra
 for (prefix reuse is measured in bench_prefix.py). Cases of batch <= 8 last a few seconds, so
 each is run ``--repeats`` times (3) on both engines and the median is reported.
 
-    python benchmarks/bench_offline.py [--dtypes float32,bfloat16] [--batch-sizes 1,8,32,64]
+    python benchmarks/bench_offline.py [--dtypes float32,bfloat16] [--batch-sizes 1,8,32,64] [--model PATH]
+
+``--model`` takes any supported folder, .gguf or hub id (default: the bundled SmolLM2).
+``--tiny-families`` runs every family's tiny random-weight checkpoint of the tests
+(``tests/models/families.py``) instead, one row per family and case, to show that no family
+falls off the fast path (the ratio against transformers stays in line with the others).
 """
 
 from __future__ import annotations
@@ -77,7 +82,8 @@ def worker(args: argparse.Namespace) -> None:
 
     cases = [(mode, batch) for mode in args.modes.split(",") for batch in map(int, args.batch_sizes.split(","))]
     if args.worker == "radixgen":
-        engine = Engine(EngineConfig(dtype=args.dtypes, kv_cache_gb=4.0, disable_radix_cache=True))  # type: ignore[arg-type]
+        engine = Engine(EngineConfig(model=args.model, dtype=args.dtypes, kv_cache_gb=4.0,  # type: ignore[arg-type]
+                                     disable_radix_cache=True))
         tokenizer = engine.tokenizer
         warm = prompts_of_lengths(tokenizer, [64, 80], seed=99)
         run_radixgen(engine, warm, 8)
@@ -89,7 +95,7 @@ def worker(args: argparse.Namespace) -> None:
         return
     from transformers import AutoTokenizer
 
-    model_dir = resolve_model_dir(None)
+    model_dir = resolve_model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtypes)).eval()
     pad_id = tokenizer.pad_token_id or 0
@@ -103,7 +109,7 @@ def worker(args: argparse.Namespace) -> None:
 def run_worker(kind: str, dtype: str, args: argparse.Namespace) -> dict[tuple[str, int], float]:
     cmd = [sys.executable, __file__, "--worker", kind, "--dtypes", dtype, "--batch-sizes", args.batch_sizes,
            "--modes", args.modes, "--new-tokens", str(args.new_tokens), "--seed", str(args.seed),
-           "--repeats", str(args.repeats)]
+           "--repeats", str(args.repeats), *(["--model", args.model] if args.model else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     results = {}
     for line in proc.stdout.splitlines():
@@ -122,10 +128,16 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="runs per case of batch <= 8 (median reported)")
+    parser.add_argument("--model", default=None, help="folder, .gguf or hub id (default: the bundled SmolLM2)")
+    parser.add_argument("--tiny-families", action="store_true",
+                        help="every family's tiny test checkpoint (defaults then: float32, batch 1,8, equal prompts)")
     parser.add_argument("--worker", choices=["radixgen", "transformers"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.tiny_families:
+        tiny_families(args)
         return
     rows: list[dict[str, Any]] = []
     for dtype in args.dtypes.split(","):
@@ -141,6 +153,39 @@ def main() -> None:
     print_table(rows, ["dtype", "prompts", "batch", "radixgen_tok_s", "transformers_tok_s", "ratio"])
     path = write_json("bench_offline", {"new_tokens": args.new_tokens, "repeats": args.repeats, "radix_cache": False,
                                         "rows": rows})
+    print(f"wrote {path}")
+
+
+def tiny_families(args: argparse.Namespace) -> None:
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from tests.models.families import family_configs, save_family_model
+
+    defaults = {"dtypes": "float32,bfloat16", "batch_sizes": "1,8,32,64", "modes": "equal,mixed"}
+    if args.dtypes == defaults["dtypes"]:
+        args.dtypes = "float32"
+    if args.batch_sizes == defaults["batch_sizes"]:
+        args.batch_sizes = "1,8"
+    if args.modes == defaults["modes"]:
+        args.modes = "equal"
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as root:
+        for name in family_configs():
+            args.model = str(save_family_model(name, Path(root) / name, tokenizer))
+            for dtype in args.dtypes.split(","):
+                ours, theirs = run_worker("radixgen", dtype, args), run_worker("transformers", dtype, args)
+                for (mode, batch), tok_s in ours.items():
+                    other = theirs[(mode, batch)]
+                    rows.append({"family": name, "dtype": dtype, "batch": batch, "radixgen_tok_s": tok_s,
+                                 "transformers_tok_s": other, "ratio": tok_s / other})
+            print_table([r for r in rows if r["family"] == name], list(rows[0]))
+            sys.stdout.flush()
+    print()
+    print_table(rows, list(rows[0]))
+    path = write_json("bench_offline_families", {"new_tokens": args.new_tokens, "modes": args.modes, "rows": rows})
     print(f"wrote {path}")
 
 
