@@ -61,13 +61,18 @@ def family_configs() -> dict[str, Any]:
     }
 
 
-def make_family_model(name: str, seed: int = 0) -> Any:
-    """transformers' model of ``name`` with random weights large enough for O(1) logits; norm
-    weights and biases perturbed too, so a misplaced norm or a dropped offset shows."""
-    from transformers import AutoModelForCausalLM
+def make_family_model(name: str, seed: int = 0, **overrides: Any) -> Any:
+    """transformers' model of ``name`` (its config fields replaced by ``overrides``) with random
+    weights large enough for O(1) logits; norm weights and biases perturbed too, so a misplaced
+    norm or a dropped offset shows."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = family_configs()[name]
+    if overrides:
+        fields = {**config.to_dict(), **overrides}
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family_configs()[name], attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
