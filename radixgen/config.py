@@ -15,6 +15,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 SchedulePolicy = Literal["fcfs", "lpm"]
 Routing = Literal["prefix-affinity", "round-robin"]
 AttentionBackend = Literal["auto", "sdpa"]
+Weights = Literal["auto", "float", "int8", "int4"]
 RepeatedItems = Literal["unique", "all", "off"]
 
 
@@ -26,6 +27,11 @@ class EngineConfig:
     """HF folder (config.json + safetensors), a .gguf file, or None for bundled SmolLM2-135M."""
     dtype: DType = "float32"
     """float32 is exact against transformers; bfloat16 is the fast option on AVX-512 BF16 CPUs."""
+    weights: Weights = "auto"
+    """How the linear weights are held. auto: a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks as they
+    are (4 or 8 bits, repacked, never dequantized), any other checkpoint in ``dtype``. float:
+    everything in ``dtype``. int8 / int4: weight-only quantized in groups of 32 (a float
+    checkpoint is quantized at load). Activations stay in ``dtype``."""
     device: str = "cpu"
     num_threads: int | None = None
     """torch compute threads; None means the cores this process may run on."""

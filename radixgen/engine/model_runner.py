@@ -54,7 +54,7 @@ class ModelRunner:
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None) -> tuple[ModelRunner, LoadedModel]:
         set_compute_threads(config.num_threads)
-        loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device)
+        loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device, weights=config.weights)
         cfg = loaded.config
         dtype = torch_dtype(config.dtype)
         max_context = min(config.max_context_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

@@ -1,8 +1,9 @@
 """Native CPU kernels, compiled on first use with the system C++ compiler and cached.
 
-Three sources, one extension registering ops under ``torch.ops.radixgen``: decode attention
+Four sources, one extension registering ops under ``torch.ops.radixgen``: decode attention
 over the KV pool (decode_attention.cpp), a matrix-vector linear for one or two tokens
-(small_linear.cpp), and the fused element-wise steps of a layer (fused_ops.cpp).
+(small_linear.cpp), the fused element-wise steps of a layer (fused_ops.cpp), and weight-only
+4/8-bit linears (quant_linear.cpp).
 
 The build goes through ``torch.utils.cpp_extension`` into ``$RADIXGEN_CACHE/kernels``, keyed by
 torch version, machine and source hash (torch rebuilds when the source changes), so a machine
@@ -24,8 +25,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.cpp", "small_linear.cpp", "fused_ops.cpp")]
-_OPS = ("decode_attention", "small_linear", "rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul")
+_SOURCES = [Path(__file__).with_name(name)
+            for name in ("decode_attention.cpp", "small_linear.cpp", "fused_ops.cpp", "quant_linear.cpp")]
+_OPS = ("decode_attention", "small_linear", "rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul", "quant_linear",
+        "quant_dequantize")
 # Release flags that keep IEEE semantics apart from reassociation (so the dot products
 # vectorise); -ffast-math would link crtfastmath and flush denormals process-wide. -fopenmp:
 # at::parallel_for is an OpenMP pragma in a header and runs serially without it; torch ships
@@ -66,6 +69,8 @@ class CpuKernels:
     add_rms_norm: Any
     rope_store_kv: Any
     silu_mul: Any
+    quant_linear: Any
+    quant_dequantize: Any
     small_linear_max_tokens: int = 2
     """Linear layers of steps with at most this many tokens use ``small_linear`` (a
     matrix-vector product over the plain weight); larger steps use oneDNN's blocked GEMM."""

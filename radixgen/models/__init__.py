@@ -13,7 +13,13 @@ import torch
 from radixgen.models.config import ModelConfig
 from radixgen.models.decoder import CausalLM
 from radixgen.models.families import FAMILIES, supported_architectures
-from radixgen.models.loader import generation_defaults, load_state_dict, resolve_model_dir
+from radixgen.models.loader import (
+    generation_defaults,
+    gguf_file_of,
+    load_state_dict,
+    resolve_model_dir,
+    weight_bits,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,21 +50,43 @@ def build_model(
     return model.eval()
 
 
+def build_quantized_model(
+    cfg: ModelConfig, state: dict[str, Any], bits: int, *, dtype: torch.dtype, device: str | torch.device = "cpu",
+    max_positions: int | None = None,
+) -> CausalLM:
+    """A model whose linears and embedding are weight-only quantized to ``bits`` (tensors of
+    ``state`` already quantized, from a GGUF file, are taken as they are)."""
+    with torch.device(device):
+        model = CausalLM(cfg, dtype, max_positions or cfg.max_position_embeddings)
+    model.load_quantized_state_dict(state, bits)
+    return model.eval()
+
+
 def load_model(
     model: str | os.PathLike[str] | None = None, *, dtype: str = "float32", device: str = "cpu",
+    weights: str = "auto",
 ) -> LoadedModel:
     """Load a checkpoint (HF folder, .gguf, hub id, or None for the bundled SmolLM2), its
     tokenizer and its generation config."""
     from transformers import AutoConfig, AutoTokenizer
 
-    model_dir = resolve_model_dir(model)
-    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    gguf_file = gguf_file_of(model)
+    bits = weight_bits(weights, gguf_file)
+    model_dir = resolve_model_dir(model, float_weights=bits is None or gguf_file is None)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    cfg = ModelConfig.from_hf(hf_config)
     generation_eos, sampling = generation_defaults(model_dir)
     # an instruct model's end-of-turn tokens are EOS too (Llama 3's <|eot_id|>, Qwen's <|im_end|>)
     cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + generation_eos)))
-    net = build_model(cfg, load_state_dict(model_dir), dtype=torch_dtype(dtype), device=device)
+    if bits is None:
+        net = build_model(cfg, load_state_dict(model_dir), dtype=torch_dtype(dtype), device=device)
+    else:
+        from radixgen.models.gguf_weights import read_gguf
+
+        state = read_gguf(gguf_file, hf_config) if gguf_file is not None else load_state_dict(model_dir)
+        net = build_quantized_model(cfg, state, bits, dtype=torch_dtype(dtype), device=device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return LoadedModel(model=net, config=cfg, tokenizer=tokenizer, path=model_dir, sampling_defaults=sampling)
 
 
-__all__ = ["FAMILIES", "CausalLM", "LoadedModel", "ModelConfig", "build_model", "load_model", "supported_architectures", "torch_dtype"]
+__all__ = ["FAMILIES", "CausalLM", "LoadedModel", "ModelConfig", "build_model", "build_quantized_model", "load_model", "supported_architectures", "torch_dtype"]

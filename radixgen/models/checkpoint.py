@@ -14,6 +14,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixgen.models.moe import SparseMoE
+from radixgen.models.quantized import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedWeight,
+    cat_rows,
+    quantize,
+)
 
 if TYPE_CHECKING:
     from radixgen.models.decoder import CausalLM, DecoderLayer
@@ -104,3 +111,62 @@ def _load_experts(moe: SparseMoE, take: _Tensors, p: str, num_experts: int) -> N
     ])
     downs = torch.stack([take(e.format(j) + f"{down}.weight") for j in range(num_experts)])
     moe.load(gate_up, downs, take(router))
+
+
+@torch.no_grad()
+def load_quantized_into(model: CausalLM, state: dict[str, torch.Tensor | QuantizedWeight], bits: int) -> None:
+    """Load with every linear (and the embedding / LM head) weight-only quantized: quantized
+    tensors (a GGUF's blocks) are taken as they are, float ones quantized to ``bits``. No float
+    copy of a linear weight is kept."""
+    cfg = model.config
+    if cfg.moe is not None:
+        raise ValueError(f"{cfg.architecture}: quantized weights are not supported for mixtures of experts yet; "
+                         "run it with weights='float'")
+    dtype, offset, fused = model.embed.dtype, cfg.family.norm_offset, cfg.family.fused_checkpoint
+
+    def q(name: str) -> QuantizedWeight:
+        if name not in state:
+            raise KeyError(f"checkpoint lacks tensor {name!r}")
+        value = state[name]
+        return value if isinstance(value, QuantizedWeight) else quantize(value, bits)
+
+    def fused_rows(names: list[str]) -> QuantizedWeight:
+        parts = [q(n) for n in names]
+        if len({p.bits for p in parts}) > 1:  # mixed widths: hold all at 8 bits
+            parts = [p if p.bits == 8 else quantize(p.dequantize(), 8) for p in parts]
+        return cat_rows(parts)
+
+    def floats(name: str) -> torch.Tensor:
+        value = state[name]
+        assert isinstance(value, torch.Tensor), f"{name} is quantized; expected a float tensor"
+        return value.to(dtype)
+
+    def bias(names: list[str]) -> torch.Tensor | None:
+        return torch.cat([floats(n) for n in names]) if all(n in state for n in names) else None
+
+    embed = q("model.embed_tokens.weight")
+    model.quantized_embed = QuantizedEmbedding(embed)
+    model.embed = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+    if cfg.tie_word_embeddings or "lm_head.weight" not in state:
+        model.lm_head = model.quantized_embed.head  # type: ignore[assignment]
+    else:
+        model.lm_head = QuantizedLinear(q("lm_head.weight"), None)  # type: ignore[assignment]
+    model.norm.weight.copy_(floats("model.norm.weight") + offset)
+    for i, layer in enumerate(model.decoder_layers()):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        attn, mlp = layer.attn, layer.mlp
+        qkv_names = [a + "qkv_proj.weight"] if fused else [a + f"{n}_proj.weight" for n in "qkv"]
+        attn.qkv = QuantizedLinear(fused_rows(qkv_names), bias([a + f"{n}_proj.bias" for n in "qkv"]))  # type: ignore[assignment]
+        attn.o = QuantizedLinear(q(a + "o_proj.weight"), None)  # type: ignore[assignment]
+        if attn.q_norm is not None and attn.k_norm is not None:
+            attn.q_norm.weight.copy_(floats(a + "q_norm.weight") + offset)
+            attn.k_norm.weight.copy_(floats(a + "k_norm.weight") + offset)
+        for ours, theirs in _NORM_NAMES[cfg.family.norm_layout]:
+            getattr(layer, ours).weight.copy_(floats(p + theirs + ".weight") + offset)
+        m = p + "mlp."
+        assert not isinstance(mlp, SparseMoE)
+        gate_up = [m + "gate_up_proj.weight"] if fused else [m + "gate_proj.weight", m + "up_proj.weight"]
+        mlp.gate_up = QuantizedLinear(fused_rows(gate_up), bias([m + "gate_proj.bias", m + "up_proj.bias"]))  # type: ignore[assignment]
+        mlp.down = QuantizedLinear(  # type: ignore[assignment]
+            q(m + "down_proj.weight"), bias([m + "down_proj.bias"]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ from radixgen.models.attention import AttentionPlan, LayerAttention, attend_pool
 from radixgen.models.config import ModelConfig
 from radixgen.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from radixgen.models.moe import SparseMoE
+from radixgen.models.quantized import QuantizedEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +151,8 @@ class CausalLM(nn.Module):
         self.config = cfg
         family = cfg.family
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.quantized_embed: QuantizedEmbedding | None = None
+        """Set by a quantized load: the embedding rows dequantized on lookup (``embed`` is empty)."""
         # transformers rounds the scale to the model's dtype before multiplying
         self.embed_scale = (
             float(torch.tensor(math.sqrt(cfg.hidden_size), dtype=dtype)) if family.scale_embeddings else None
@@ -179,7 +183,8 @@ class CausalLM(nn.Module):
         kernels: CpuKernels | None = None,
     ) -> torch.Tensor:
         """Return float32 logits [N, vocab] for the selected positions."""
-        x = self.embed[input_ids]  # [T, hidden]; a fresh tensor, so the residual may be updated in place
+        # [T, hidden]; a fresh tensor, so the residual may be updated in place
+        x = self.embed[input_ids] if self.quantized_embed is None else self.quantized_embed(input_ids, self.norm.weight.dtype)
         if self.embed_scale is not None:
             x.mul_(self.embed_scale)
         step = StepInputs(plan, positions, kernels)
@@ -204,6 +209,27 @@ class CausalLM(nn.Module):
                 module.pack()
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed  # the plain head the small-batch path reads: no second copy
+
+    def load_quantized_state_dict(self, state: dict[str, Any], bits: int) -> None:
+        """Load with weight-only quantized linears and embedding (``checkpoint.load_quantized_into``)."""
+        from radixgen.models.checkpoint import load_quantized_into
+
+        load_quantized_into(self, state, bits)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this model holds (parameters and weight buffers; rotary tables excluded)."""
+        seen: set[int] = set()
+        total = 0
+        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
+            if name.startswith("ropes.") or tensor.data_ptr() in seen or not tensor.numel():
+                continue
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+        for module in self.modules():
+            packed = getattr(module, "_packed", None)
+            if packed is not None:
+                total += packed.numel() * packed.element_size()
+        return total
 
     def drop_plain_weights(self) -> None:
         """Free the plain copies of oneDNN-packed weights (the small-batch path then uses

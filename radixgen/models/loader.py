@@ -47,15 +47,22 @@ def default_gguf_path() -> Path:
     return files[0]
 
 
-def resolve_model_dir(model: str | os.PathLike[str] | None) -> Path:
-    """Return an HF-style folder (config.json, model.safetensors, tokenizer) for ``model``."""
+def gguf_file_of(model: str | os.PathLike[str] | None) -> Path | None:
+    """The .gguf file ``model`` names (None: the bundled one), or None for anything else."""
+    path = default_gguf_path() if model is None else Path(model).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def resolve_model_dir(model: str | os.PathLike[str] | None, float_weights: bool = True) -> Path:
+    """Return an HF-style folder (config.json, tokenizer, and safetensors unless a GGUF is
+    converted with ``float_weights`` False) for ``model``."""
     path = default_gguf_path() if model is None else Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is a folder without config.json; expected an HF model folder")
         return path
     if path.suffix == ".gguf" and path.is_file():
-        return convert_gguf(path)
+        return convert_gguf(path, float_weights)
     if model is not None and is_hub_id(str(model)):
         return download_from_hub(str(model))
     raise FileNotFoundError(
@@ -93,40 +100,33 @@ def download_from_hub(repo_id: str) -> Path:
     return folder
 
 
-def convert_gguf(gguf_path: Path) -> Path:
-    """Dequantize a GGUF file once into a cached HF folder and return that folder."""
+def convert_gguf(gguf_path: Path, float_weights: bool = True) -> Path:
+    """Convert a GGUF file once into a cached HF folder (config, tokenizer and, with
+    ``float_weights``, the dequantized weights as safetensors) and return that folder. A model
+    run quantized reads its weights from the GGUF file itself and skips the dequantization."""
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     out = cache_dir() / f"{gguf_path.stem}-{key}"
-    if (out / _DONE_MARKER).exists():
+    marker = out / _DONE_MARKER
+    if marker.exists():
         _plain_config(out)  # caches written before the config was cleaned
+        if float_weights and not json.loads(marker.read_text()).get("float_weights", True):
+            _write_float_weights(gguf_path, out)
+            marker.write_text(json.dumps({"source": str(gguf_path), "float_weights": True}))
         return out
 
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    logger.info("converting %s to safetensors in %s (once)", gguf_path.name, out)
-    steps = tqdm(total=3, desc=f"converting {gguf_path.name}", unit="step")
+    logger.info("converting %s in %s (once)", gguf_path.name, out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    tokenizer.save_pretrained(tmp)
-    steps.update()
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    steps.update()
-    # The dequantized model is still flagged as quantized, so save_pretrained refuses it:
-    # write tensors and config ourselves. Tied weights are stored once.
-    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
-    if getattr(hf_model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    hf_model.config.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
+    if float_weights:
+        _write_float_weights(gguf_path, tmp)
+    else:
+        AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
     _plain_config(tmp)
-    (tmp / _DONE_MARKER).write_text(json.dumps({"source": str(gguf_path)}))
-    steps.update()
-    steps.close()
+    (tmp / _DONE_MARKER).write_text(json.dumps({"source": str(gguf_path), "float_weights": float_weights}))
     if out.exists():  # another process finished first; keep its copy
         import shutil
 
@@ -134,6 +134,24 @@ def convert_gguf(gguf_path: Path) -> Path:
     else:
         tmp.rename(out)
     return out
+
+
+def _write_float_weights(gguf_path: Path, folder: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with tqdm(total=1, desc=f"dequantizing {gguf_path.name}", unit="file") as progress:
+        hf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                        dtype=torch.float32)
+        # The dequantized model is still flagged as quantized, so save_pretrained refuses it:
+        # write tensors and config ourselves. Tied weights are stored once.
+        state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+        if getattr(hf_model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        hf_model.config.save_pretrained(folder)
+        _plain_config(folder)
+        progress.update()
 
 
 def _plain_config(model_dir: Path) -> None:
@@ -188,3 +206,21 @@ def generation_defaults(model_dir: Path) -> tuple[tuple[int, ...], dict[str, flo
     defaults = {key: config[key] for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
                 if isinstance(config.get(key), (int, float)) and not isinstance(config.get(key), bool)}
     return eos_ids, defaults
+
+
+def weight_bits(weights: str, gguf_file: Path | None) -> int | None:
+    """Bits of the quantized linears for ``EngineConfig.weights``; None: float."""
+    if weights == "float":
+        return None
+    if weights in ("int4", "int8"):
+        return int(weights[3:])
+    if weights != "auto":
+        raise ValueError(f"weights must be auto, float, int8 or int4, got {weights!r}")
+    if gguf_file is None:
+        return None
+    from radixgen.models.gguf_weights import quantized_types
+
+    kinds = quantized_types(gguf_file)
+    if kinds & {"Q4_0", "Q4_1"}:
+        return 4
+    return 8 if "Q8_0" in kinds else None

@@ -37,7 +37,9 @@ def _llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_model: Any, path: Path, tokenizer_source: Path) -> Path:
+def write_gguf(hf_model: Any, path: Path, tokenizer_source: Path, linear_type: str = "F32") -> Path:
+    """``linear_type``: the GGUF type of the 2-D weights (F32, Q8_0, Q4_0: quantized by the gguf
+    package, as llama.cpp's quantizer lays the blocks out); norms stay F32."""
     import gguf
 
     cfg = hf_model.config
@@ -72,7 +74,12 @@ def write_gguf(hf_model: Any, path: Path, tokenizer_source: Path) -> Path:
             w = w + 1  # llama.cpp stores Gemma's (1 + w)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
-        writer.add_tensor(gguf_name, np.ascontiguousarray(w.numpy()))
+        array = np.ascontiguousarray(w.numpy())
+        if linear_type != "F32" and array.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[linear_type]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
