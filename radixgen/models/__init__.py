@@ -16,6 +16,7 @@ from radixgen.models.families import FAMILIES, supported_architectures
 from radixgen.models.loader import (
     generation_defaults,
     gguf_file_of,
+    gguf_tensor_types,
     load_state_dict,
     resolve_model_dir,
     weight_bits,
@@ -71,8 +72,10 @@ def load_model(
     from transformers import AutoConfig, AutoTokenizer
 
     gguf_file = gguf_file_of(model)
-    bits = weight_bits(weights, gguf_file)
-    model_dir = resolve_model_dir(model, float_weights=bits is None or gguf_file is None)
+    model_dir = resolve_model_dir(model, float_weights=gguf_file is None)
+    bits = weight_bits(weights, gguf_tensor_types(model_dir))
+    if bits is None and gguf_file is not None:
+        model_dir = resolve_model_dir(model, float_weights=True)  # dequantized once, cached
     hf_config = AutoConfig.from_pretrained(model_dir)
     cfg = ModelConfig.from_hf(hf_config)
     generation_eos, sampling = generation_defaults(model_dir)
@@ -81,9 +84,9 @@ def load_model(
     if bits is None:
         net = build_model(cfg, load_state_dict(model_dir), dtype=torch_dtype(dtype), device=device)
     else:
-        from radixgen.models.gguf_weights import read_gguf
+        from radixgen.models.gguf_weights import cached_gguf
 
-        state = read_gguf(gguf_file, hf_config) if gguf_file is not None else load_state_dict(model_dir)
+        state = cached_gguf(gguf_file, hf_config, model_dir) if gguf_file is not None else load_state_dict(model_dir)
         net = build_quantized_model(cfg, state, bits, dtype=torch_dtype(dtype), device=device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return LoadedModel(model=net, config=cfg, tokenizer=tokenizer, path=model_dir, sampling_defaults=sampling)

@@ -9,6 +9,7 @@ permutation is undone on the rows of the blocks. Gemma's stored norm weights are
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +49,44 @@ def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     return index.reshape(heads, dim, 2).swapaxes(2, 1).reshape(rows)
 
 
-def quantized_types(path: Path) -> set[str]:
+def tensor_types(path: Path) -> list[str]:
     import gguf
 
-    reader = gguf.GGUFReader(path)
-    return {t.tensor_type.name for t in reader.tensors}
+    return sorted({t.tensor_type.name for t in gguf.GGUFReader(path).tensors})
+
+
+_CACHE_NAME = "gguf-blocks.safetensors"
+
+
+def cached_gguf(path: Path, hf_config: Any, cache_folder: Path) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """``read_gguf`` once, then from a safetensors copy of the repacked blocks in the model's
+    cache folder (parsing the file's metadata alone took ~5 s per start for the bundled one)."""
+    from safetensors.torch import load_file, save_file
+
+    cache = cache_folder / _CACHE_NAME
+    if cache.exists():
+        flat = load_file(str(cache))
+        out: dict[str, torch.Tensor | QuantizedWeight] = {}
+        for key, tensor in flat.items():
+            name, _, part = key.rpartition("::")
+            if part == "float":
+                out[name] = tensor
+            elif part == "qweight":
+                out[name] = QuantizedWeight(tensor, flat[name + "::scales"], flat[name + "::mins"],
+                                            int(flat[name + "::bits"].item()))
+        return out
+    weights = read_gguf(path, hf_config)
+    flat = {}
+    for name, value in weights.items():
+        if isinstance(value, QuantizedWeight):
+            flat.update({name + "::qweight": value.qweight, name + "::scales": value.scales,
+                         name + "::mins": value.mins, name + "::bits": torch.tensor(value.bits)})
+        else:
+            flat[name + "::float"] = value.contiguous()
+    tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")  # servers starting together each write their own
+    save_file(flat, str(tmp))
+    tmp.replace(cache)
+    return weights
 
 
 def read_gguf(path: Path, hf_config: Any) -> dict[str, torch.Tensor | QuantizedWeight]:

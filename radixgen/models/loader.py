@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from radixgen.models.families import architecture_for_model_type
+from radixgen.models.gguf_weights import tensor_types
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +111,15 @@ def convert_gguf(gguf_path: Path, float_weights: bool = True) -> Path:
     marker = out / _DONE_MARKER
     if marker.exists():
         _plain_config(out)  # caches written before the config was cleaned
-        if float_weights and not json.loads(marker.read_text()).get("float_weights", True):
+        info = json.loads(marker.read_text())
+        recorded = dict(info)
+        if float_weights and not info.get("float_weights", True):
             _write_float_weights(gguf_path, out)
-            marker.write_text(json.dumps({"source": str(gguf_path), "float_weights": True}))
+            info["float_weights"] = True
+        if "tensor_types" not in info:  # caches written before the types were recorded
+            info["tensor_types"] = tensor_types(gguf_path)
+        if info != recorded:
+            marker.write_text(json.dumps(info))
         return out
 
     from transformers import AutoConfig, AutoTokenizer
@@ -126,7 +133,8 @@ def convert_gguf(gguf_path: Path, float_weights: bool = True) -> Path:
     else:
         AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
     _plain_config(tmp)
-    (tmp / _DONE_MARKER).write_text(json.dumps({"source": str(gguf_path), "float_weights": float_weights}))
+    (tmp / _DONE_MARKER).write_text(json.dumps(
+        {"source": str(gguf_path), "float_weights": float_weights, "tensor_types": tensor_types(gguf_path)}))
     if out.exists():  # another process finished first; keep its copy
         import shutil
 
@@ -208,19 +216,22 @@ def generation_defaults(model_dir: Path) -> tuple[tuple[int, ...], dict[str, flo
     return eos_ids, defaults
 
 
-def weight_bits(weights: str, gguf_file: Path | None) -> int | None:
-    """Bits of the quantized linears for ``EngineConfig.weights``; None: float."""
+def gguf_tensor_types(model_dir: Path) -> list[str]:
+    """The tensor types of the GGUF a cache folder was converted from ([] for other folders)."""
+    marker = model_dir / _DONE_MARKER
+    return list(json.loads(marker.read_text()).get("tensor_types", [])) if marker.exists() else []
+
+
+def weight_bits(weights: str, types: list[str]) -> int | None:
+    """Bits of the quantized linears for ``EngineConfig.weights`` (``types``: the GGUF's tensor
+    types, [] for other checkpoints); None: float."""
     if weights == "float":
         return None
     if weights in ("int4", "int8"):
         return int(weights[3:])
     if weights != "auto":
         raise ValueError(f"weights must be auto, float, int8 or int4, got {weights!r}")
-    if gguf_file is None:
-        return None
-    from radixgen.models.gguf_weights import quantized_types
-
-    kinds = quantized_types(gguf_file)
+    kinds = set(types)
     if kinds & {"Q4_0", "Q4_1"}:
         return 4
     return 8 if "Q8_0" in kinds else None

@@ -102,10 +102,11 @@ def test_q4_1_blocks_repack_to_the_bundled_files_values(default_model_dir: Path)
 def test_a_quantized_gguf_runs_quantized_and_equals_its_dequantized_float_copy(
     kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A tiny random Qwen3 written as a Q4_0 GGUF: ``auto`` runs its blocks as they are (4 bits,
-    embedding included), ``float`` runs transformers' dequantization of the same file; the
-    logits agree to accumulation order. (Each load converts the tokenizer through transformers'
-    GGUF reader, ~10 s.)"""
+    """A tiny random Gemma 2 written as a Q4_0 GGUF: ``auto`` runs its blocks as they are (4 bits,
+    embedding included; Gemma's stored 1 + w norms), ``float`` runs transformers' dequantization
+    of the same file; the logits agree to accumulation order. (Each load converts the tokenizer
+    through transformers' GGUF reader, ~10 s.) Fields the reader does not read back take its
+    defaults, which are the released models' values (caps 50 / 30, query scalar 256)."""
     from radixgen.models import load_model
     from radixgen.models.loader import default_gguf_path
     from tests.models.families import make_family_model
@@ -113,7 +114,8 @@ def test_a_quantized_gguf_runs_quantized_and_equals_its_dequantized_float_copy(
     from tests.models.harness import PoolHarness
 
     monkeypatch.setenv("RADIXGEN_CACHE", str(tmp_path / "cache"))
-    hf = make_family_model("qwen3", seed=9, head_dim=128)
+    hf = make_family_model("gemma2", seed=9, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                           query_pre_attn_scalar=256)
     path = write_gguf(hf, tmp_path / f"tiny-{kind}.gguf", default_gguf_path(), linear_type=kind)
     quantized = load_model(path)
     assert isinstance(quantized.model.decoder_layers()[0].mlp.gate_up, QuantizedLinear)
@@ -124,6 +126,7 @@ def test_a_quantized_gguf_runs_quantized_and_equals_its_dequantized_float_copy(
     outs = [PoolHarness(m, kernels=kernels, decode_kernel=kernels.decode_attention if kernels else None).extend(
         [(0, ids)])[0] for m in (quantized.model, dequantized)]
     torch.testing.assert_close(outs[0], outs[1], atol=2e-4, rtol=0)
+
 
 
 PROMPTS = ["Name three uses of a radix tree.", "Write a haiku about the sea.", "What is 17 times 3?",
