@@ -73,7 +73,8 @@ def load_model(
 
     gguf_file = gguf_file_of(model)
     model_dir = resolve_model_dir(model, float_weights=gguf_file is None)
-    bits = weight_bits(weights, gguf_tensor_types(model_dir))
+    # a converted cache folder passed as a folder is a float checkpoint like any other
+    bits = weight_bits(weights, gguf_tensor_types(model_dir) if gguf_file is not None else [])
     if bits is None and gguf_file is not None:
         model_dir = resolve_model_dir(model, float_weights=True)  # dequantized once, cached
     hf_config = AutoConfig.from_pretrained(model_dir)
