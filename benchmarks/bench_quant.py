@@ -23,13 +23,21 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, prompts_of_lengths, write_json  # noqa: E402
 
-CONFIGS = [("float", "float32"), ("float", "bfloat16"), ("int8", "float32"), ("int4", "float32")]
+CONFIGS = [("float", "float32"), ("float", "bfloat16"), ("int8", "float32"), ("auto", "float32")]
+"""auto runs the file's own blocks (the bundled one: Q4_1 linears, Q8_0 embedding); int8 runs the
+dequantized float checkpoint quantized to 8 bits at load (what --weights int8 does for any float
+checkpoint), since a GGUF's blocks are always taken as they are."""
 
 
 def radixgen_worker(args: argparse.Namespace) -> None:
     from radixgen import Engine, EngineConfig, SamplingParams
 
-    engine = Engine(EngineConfig(model=args.model, weights=args.weights, dtype=args.dtype, kv_cache_gb=2.0,
+    model = args.model
+    if args.weights == "int8":  # the float checkpoint the GGUF converts to
+        from radixgen.models.loader import resolve_model_dir
+
+        model = str(resolve_model_dir(args.model))
+    engine = Engine(EngineConfig(model=model, weights=args.weights, dtype=args.dtype, kv_cache_gb=2.0,
                                  disable_radix_cache=True))
     weight_bytes = engine.runner.model.weight_bytes()
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0, ignore_eos=True)
