@@ -9,7 +9,7 @@ import torch
 
 from radixgen.engine.batch import StepKind, StepPlan, build_attention_plan
 from radixgen.engine.kv_pool import KVPool
-from radixgen.kernels import CpuKernels
+from radixgen.kernels import CpuKernels, cpu_kernels
 from radixgen.models import CausalLM
 
 
@@ -62,3 +62,22 @@ class PoolHarness:
             self.kernels,
         )
         return list(logits.split(extend.tolist()))
+
+
+PATHS = ["torch", "torch-padded", "native", "native-sdpa"]
+"""torch: PyTorch ops alone (gather + SDPA decode, per-request prefill); torch-padded: the same
+with prefill padded under one mask (the path on other devices); native: every CPU kernel, the
+engine's default; native-sdpa: the fused layer ops with gather + SDPA decode (attention_backend=sdpa)."""
+
+
+def harness_for(model: CausalLM, path: str) -> PoolHarness:
+    """A harness running ``model`` on one of ``PATHS`` (skips the test where the CPU kernels
+    do not build)."""
+    import pytest
+
+    if path.startswith("torch"):
+        return PoolHarness(model, padded_prefill=path == "torch-padded")
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels do not build here")
+    return PoolHarness(model, decode_kernel=kernels.decode_attention if path == "native" else None, kernels=kernels)

@@ -20,10 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from radixgen.kernels import cpu_kernels
 from radixgen.models import ModelConfig, build_model, load_model
 from tests.models.families import WINDOW, family_configs, make_family_model, save_family_model
-from tests.models.harness import PoolHarness
+from tests.models.harness import PATHS, harness_for
 
 FAMILIES = sorted(family_configs())
 PROMPT_LEN, PREFILL_LEN = 90, 80  # longer than WINDOW: windowed layers drop keys
@@ -68,23 +67,8 @@ def _reference(hf: Any, ids: list[int]) -> torch.Tensor:
     return hf(torch.tensor([ids])).logits[0].float()
 
 
-PATHS = ["torch", "torch-padded", "native", "native-sdpa"]
-"""torch: PyTorch ops (gather + SDPA decode, per-request prefill); torch-padded: prefill padded
-under one mask (other devices' path); native: every CPU kernel (the engine's default);
-native-sdpa: the fused layer ops with gather + SDPA decode (attention_backend=sdpa)."""
-
-
-def _harness(model: Any, path: str) -> PoolHarness:
-    if path.startswith("torch"):
-        return PoolHarness(model, padded_prefill=path == "torch-padded")
-    kernels = cpu_kernels()
-    if kernels is None:
-        pytest.skip("the CPU kernels do not build here")
-    return PoolHarness(model, decode_kernel=kernels.decode_attention if path == "native" else None, kernels=kernels)
-
-
 def _prefill_then_decode(model: Any, path: str, ids: list[int]) -> torch.Tensor:
-    harness = _harness(model, path)
+    harness = harness_for(model, path)
     (prefill,) = harness.extend([(0, ids[:PREFILL_LEN])])
     steps = [harness.extend([(0, [token])])[0] for token in ids[PREFILL_LEN:]]
     return torch.cat([prefill, *steps])
@@ -110,7 +94,7 @@ def test_extend_over_cached_prefix_batched_with_a_fresh_prefill(name: str, path:
     third prefills, then decode batches of three, two and one."""
     hf = make_family_model(name, seed=4)
     ours = build_model(ModelConfig.from_hf(hf.config), hf.state_dict(), dtype=torch.float32)
-    harness = _harness(ours, path)
+    harness = harness_for(ours, path)
     seqs = [_prompt(1, 70), _prompt(2, 45), _prompt(3, 30)]
     harness.extend([(0, seqs[0][:40]), (1, seqs[1][:10])])
     outs = harness.extend([(0, seqs[0][40:]), (1, seqs[1][10:]), (2, seqs[2])])
@@ -205,7 +189,7 @@ def test_longrope_past_the_original_context_equals_transformers_cached_forward()
     ours = build_model(ModelConfig.from_hf(hf.config), hf.state_dict(), dtype=torch.float32)
     spec = ours.config.rope["full_attention"]
     assert spec.long_inv_freq is not None and spec.long_from == 128
-    harness, cache = _harness(ours, "native"), DynamicCache(config=hf.config)
+    harness, cache = harness_for(ours, "native"), DynamicCache(config=hf.config)
     ids = _prompt(6, 140)
     with torch.no_grad():
         ref = hf(torch.tensor([ids[:100]]), past_key_values=cache, use_cache=True).logits[0]

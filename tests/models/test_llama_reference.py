@@ -11,10 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from radixgen.kernels import cpu_kernels
 from radixgen.models import ModelConfig, build_model
 from tests.conftest import make_tiny_hf_model
-from tests.models.harness import PoolHarness
+from tests.models.harness import PATHS, harness_for
 
 TINY_CASES = {
     "llama": dict(kind="llama"),
@@ -42,21 +41,6 @@ def _prompt(seed: int, n: int) -> list[int]:
     return torch.randint(3, 49152, (n,), generator=g).tolist()
 
 
-PATHS = ["torch", "torch-padded", "native", "native-sdpa"]
-"""torch: PyTorch ops alone (gather + SDPA decode, per-request prefill); torch-padded: the same
-with prefill padded under one mask (the path on other devices); native: every CPU kernel, the
-engine's default; native-sdpa: the fused layer ops with gather + SDPA decode (attention_backend=sdpa)."""
-
-
-def _harness(model: Any, path: str) -> PoolHarness:
-    if path.startswith("torch"):
-        return PoolHarness(model, padded_prefill=path == "torch-padded")
-    kernels = cpu_kernels()
-    if kernels is None:
-        pytest.skip("the CPU kernels do not build here")
-    return PoolHarness(model, decode_kernel=kernels.decode_attention if path == "native" else None, kernels=kernels)
-
-
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", sorted(TINY_CASES))
 def test_tiny_prefill_and_decode_match_transformers(case: str, path: str) -> None:
@@ -66,7 +50,7 @@ def test_tiny_prefill_and_decode_match_transformers(case: str, path: str) -> Non
     assert ours.config.attention_bias == (case == "qwen2-bias")
     ids = _prompt(0, 90)
     ref = hf_logits(hf, ids)
-    harness = _harness(ours, path)
+    harness = harness_for(ours, path)
     # prefill 80 tokens, then decode the rest one token per step through the pool
     (prefill,) = harness.extend([(0, ids[:80])])
     torch.testing.assert_close(prefill, ref[:80], atol=2e-4, rtol=0)
@@ -81,7 +65,7 @@ def test_batched_extend_with_cached_prefixes_matches_transformers(path: str) -> 
     """Requests of different lengths in one step, some extending a cached prefix; decode steps
     of one, two and three requests (the native path changes linear kernels at two tokens)."""
     hf = make_tiny_hf_model("qwen2", seed=2)
-    harness = _harness(ours_from_hf(hf), path)
+    harness = harness_for(ours_from_hf(hf), path)
     a, b, c = _prompt(1, 40), _prompt(2, 75), _prompt(3, 9)
     harness.extend([(0, a[:30]), (1, b[:50])])
     outs = harness.extend([(0, a[30:]), (1, b[50:]), (2, c)])  # extend, extend, fresh prefill
@@ -108,7 +92,7 @@ def test_smollm2_logits_match_transformers(default_model_dir: Any, tokenizer: An
     )
     ids = tokenizer.encode(text, add_special_tokens=False)
     ref = hf_logits(hf, ids)
-    harness = _harness(ours, "native")  # the engine's default path on CPU
+    harness = harness_for(ours, "native")  # the engine's default path on CPU
     (prefill,) = harness.extend([(0, ids[:-4])])
     torch.testing.assert_close(prefill, ref[:-4], atol=2e-3, rtol=0)
     for i in range(len(ids) - 4, len(ids)):
