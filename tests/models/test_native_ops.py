@@ -13,20 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixgen.kernels import CpuKernels, cpu_kernels
 from radixgen.models.config import RopeSpec
 from radixgen.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
 BF16_ULP = 2.0**-7  # relative spacing of bfloat16 values
-
-
-@pytest.fixture(scope="module")
-def kernels() -> CpuKernels:
-    ops = cpu_kernels()
-    if ops is None:
-        pytest.skip("the CPU kernels do not build here")
-    return ops
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-6) -> None:

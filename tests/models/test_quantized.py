@@ -16,14 +16,6 @@ from radixgen.models.gguf_weights import _repack
 from radixgen.models.quantized import QuantizedLinear, QuantizedWeight, quantize
 
 
-@pytest.fixture(scope="module")
-def kernels() -> Any:
-    k = cpu_kernels()
-    if k is None:
-        pytest.skip("the CPU kernels do not build here")
-    return k
-
-
 def _random_weight(bits: int, out: int, inp: int, seed: int) -> QuantizedWeight:
     return quantize(torch.randn(out, inp, generator=torch.Generator().manual_seed(seed)), bits)
 
