@@ -112,15 +112,32 @@ def _load() -> Any:
 
         _put_ninja_on_path()
 
-        logger.info("building the CPU kernels (first start on this machine only)")
+        build_dir = _build_dir()
+        logger.info("loading the CPU kernels (built on the first start on this machine only)")
         load(
-            name="radixgen_kernels", sources=[str(p) for p in _SOURCES], extra_cflags=_CFLAGS,
-            extra_ldflags=_LDFLAGS, build_directory=str(_build_dir()), is_python_module=False, verbose=False,
+            name="radixgen_kernels", sources=[str(p) for p in _sources_in(build_dir)], extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS, build_directory=str(build_dir), is_python_module=False, verbose=False,
         )
         return _registered()
     except Exception as exc:  # no compiler, no ninja, a failed build: fall back, loudly
         logger.warning("CPU kernels unavailable (%s); the model runs on PyTorch ops alone", exc)
         return None
+
+
+def _sources_in(build_dir: Path) -> list[Path]:
+    """The sources, copied into the build folder: ninja's build file names them by absolute
+    path, so compiling them where they lie rebuilt the same sources (~60 s) whenever another
+    checkout of them (a worktree, a second clone) was loaded last."""
+    src = build_dir / "src"
+    src.mkdir(exist_ok=True)
+    copies = []
+    for path in [*_SOURCES, _SOURCES[0].with_name("common.h")]:
+        copy = src / path.name
+        data = path.read_bytes()
+        if not copy.exists() or copy.read_bytes() != data:  # rewriting an equal copy would look newer to ninja
+            copy.write_bytes(data)
+        copies.append(copy)
+    return [c for c in copies if c.suffix == ".cpp"]
 
 
 def _put_ninja_on_path() -> None:

@@ -1,6 +1,8 @@
 """Write a tiny HF model as a GGUF file, as llama.cpp's converter lays one out, so the loader's
 GGUF path can be tested on families other than the bundled one. The tokenizer metadata is
-copied from the bundled SmolLM2 GGUF (the tiny models share its vocabulary)."""
+copied from the bundled SmolLM2 GGUF (the tiny models share its vocabulary), whole or cut to its
+first tokens: transformers' GGUF reader parses the 49k-token vocabulary and its merges field by
+field, seconds per read, and a load reads the file several times."""
 
 from __future__ import annotations
 
@@ -14,16 +16,26 @@ import torch
 _ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "mistral": "llama"}
 
 
-def _copy_tokenizer_fields(writer: Any, source: Path) -> None:
+def _copy_tokenizer_fields(writer: Any, source: Path, vocab_size: int) -> None:
+    """Below the source's size, keep the first ``vocab_size`` tokens and the merges made of them
+    alone (BPE merges build on earlier ones, so the cut vocabulary is a whole, smaller tokenizer)."""
     import gguf
 
     reader = gguf.GGUFReader(source)
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    cut = vocab_size < len(tokens)
+    kept = set(tokens[:vocab_size])
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
             continue
         kind = field.types[0]
         if kind == gguf.GGUFValueType.ARRAY:
-            writer.add_array(key, field.contents())
+            values = field.contents()
+            if cut and key == "tokenizer.ggml.merges":
+                values = [m for m in values if all(part in kept for part in m.split(" ")) and m.replace(" ", "") in kept]
+            elif cut and key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+                values = values[:vocab_size]
+            writer.add_array(key, values)
         elif kind == gguf.GGUFValueType.STRING:
             writer.add_string(key, field.contents())
         elif kind == gguf.GGUFValueType.BOOL:
@@ -39,7 +51,8 @@ def _llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def write_gguf(hf_model: Any, path: Path, tokenizer_source: Path, linear_type: str = "F32") -> Path:
     """``linear_type``: the GGUF type of the 2-D weights (F32, Q8_0, Q4_0: quantized by the gguf
-    package, as llama.cpp's quantizer lays the blocks out); norms stay F32."""
+    package, as llama.cpp's quantizer lays the blocks out); norms stay F32. A model with fewer
+    than the source's tokens gets the vocabulary cut to its size."""
     import gguf
 
     cfg = hf_model.config
@@ -61,7 +74,7 @@ def write_gguf(hf_model: Any, path: Path, tokenizer_source: Path, linear_type: s
         writer.add_sliding_window(cfg.sliding_window)
         writer.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
         writer.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
-    _copy_tokenizer_fields(writer, tokenizer_source)
+    _copy_tokenizer_fields(writer, tokenizer_source, int(cfg.vocab_size))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
