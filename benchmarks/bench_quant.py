@@ -1,11 +1,13 @@
 """Quantized weights: decode throughput of the bundled GGUF (or ``--model``) held as float32,
-bfloat16, int8 and int4, side by side in one run, and llama.cpp on the same file when
-llama-cpp-python is installed (skipped with a message otherwise).
+bfloat16, int8 and int4, side by side in one run, and llama.cpp on the same file and the same
+prompt tokens at batch 1 when its virtualenv exists (``$RADIXGEN_PEERS/llamacpp``, as
+``compare_serving.py`` documents; skipped with a message otherwise).
 
-Each configuration runs in its own subprocess, one after the other (two torch runtimes in one
-process slow each other's thread teams). Greedy, EOS ignored, radix cache off, prompts of 128
-tokens, ``--new-tokens`` (64) each; batch sizes ``--batch-sizes`` (1,8,64). Also reported: the
-bytes of weights each engine holds.
+Each configuration runs in its own subprocess, one after the other (two runtimes in one process
+slow each other's thread teams). Greedy, EOS ignored, radix cache off, prompts of 128 tokens,
+``--new-tokens`` (64) each; batch sizes ``--batch-sizes`` (1,8,64). Reported: output tokens per
+second end to end (the prompt's prefill included), the decode rate after the first token, the
+time to it, and the bytes of weights each engine holds.
 
     python benchmarks/bench_quant.py [--model PATH.gguf] [--batch-sizes 1,8,64] [--new-tokens 64]
 """
@@ -14,14 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, prompts_of_lengths, write_json  # noqa: E402
+from radixgen.models.loader import cache_dir  # noqa: E402
+
+PEERS = Path(os.environ.get("RADIXGEN_PEERS", cache_dir() / "peers"))
 
 CONFIGS = [("float", "float32"), ("float", "bfloat16"), ("int8", "float32"), ("auto", "float32")]
 """auto runs the file's own blocks (the bundled one: Q4_1 linears, Q8_0 embedding); int8 runs the
@@ -43,37 +50,46 @@ def radixgen_worker(args: argparse.Namespace) -> None:
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     engine.generate(prompts_of_lengths(engine.tokenizer, [64, 80], seed=99), SamplingParams(
         max_new_tokens=8, temperature=0, ignore_eos=True))
+    first_token = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
     for batch in map(int, args.batch_sizes.split(",")):
         prompts = prompts_of_lengths(engine.tokenizer, [128] * batch, seed=batch)
         start = time.perf_counter()
+        engine.generate(prompts, first_token)  # the cache is off: the same prefill as below
+        first_s = time.perf_counter() - start
+        start = time.perf_counter()
         engine.generate(prompts, params)
-        tok_s = batch * args.new_tokens / (time.perf_counter() - start)
-        print(json.dumps({"batch": batch, "tok_s": tok_s, "weight_bytes": weight_bytes}), flush=True)
+        total_s = time.perf_counter() - start
+        print(json.dumps({"batch": batch, "tok_s": batch * args.new_tokens / total_s, "first_token_s": first_s,
+                          "decode_tok_s": batch * (args.new_tokens - 1) / (total_s - first_s),
+                          "weight_bytes": weight_bytes}), flush=True)
     engine.shutdown()
 
 
-def llama_cpp_worker(args: argparse.Namespace) -> None:
-    import llama_cpp
+def run_llama_cpp(args: argparse.Namespace) -> dict[int, dict[str, Any]] | None:
+    """Batch 1 (llama-cpp-python serves one sequence at a time) on the prompt radixgen's batch-1
+    row ran, in the peers' virtualenv; None where that does not exist."""
     from transformers import AutoTokenizer
 
     from radixgen.models.loader import default_gguf_path, resolve_model_dir
 
-    path = args.model or str(default_gguf_path())
+    python = PEERS / "llamacpp" / "bin" / "python"
+    if not python.exists():
+        return None
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.model))
-    llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_threads=args.threads, verbose=False)
-    for batch in map(int, args.batch_sizes.split(",")):
-        if batch != 1:
-            continue  # llama-cpp-python serves one sequence at a time
-        (prompt,) = prompts_of_lengths(tokenizer, [128], seed=batch)
-        llm.reset()
-        start = time.perf_counter()
-        produced = 0
-        for _token in llm.generate(prompt, temp=0.0):
-            produced += 1
-            if produced == args.new_tokens:
-                break
-        print(json.dumps({"batch": 1, "tok_s": produced / (time.perf_counter() - start), "weight_bytes": None}),
-              flush=True)
+    prompts = [prompts_of_lengths(tokenizer, [128], seed=seed)[0] for seed in (1, 2, 3)]  # seed 1: radixgen's
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as ids:
+        json.dump(prompts, ids)
+        ids.flush()
+        proc = subprocess.run([str(python), str(Path(__file__).with_name("peers") / "llamacpp_decode.py"),
+                               "--model", args.model or str(default_gguf_path()), "--prompts", ids.name,
+                               "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)],
+                              capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"llama.cpp failed:\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    # the median of three prompts' runs, key by key
+    row = {key: sorted(r[key] for r in records)[len(records) // 2] for key in records[0]}
+    return {1: {**row, "weight_bytes": None}}
 
 
 def run(kind: str, args: argparse.Namespace, weights: str = "", dtype: str = "") -> dict[int, dict[str, Any]]:
@@ -92,34 +108,34 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8,64")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
-    parser.add_argument("--worker", choices=["radixgen", "llama.cpp"], help=argparse.SUPPRESS)
+    parser.add_argument("--configs", default=",".join(f"{w}:{d}" for w, d in CONFIGS),
+                        help="radixgen's weights:dtype pairs to run (default: all four)")
+    parser.add_argument("--worker", choices=["radixgen"], help=argparse.SUPPRESS)
     parser.add_argument("--weights", default="auto", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "radixgen":
         radixgen_worker(args)
         return
-    if args.worker == "llama.cpp":
-        llama_cpp_worker(args)
-        return
     rows: list[dict[str, Any]] = []
-    for weights, dtype in CONFIGS:
+    for weights, dtype in (pair.split(":") for pair in args.configs.split(",")):
         for batch, rec in run("radixgen", args, weights, dtype).items():
             rows.append({"engine": "radixgen", "weights": weights, "dtype": dtype, "batch": batch,
-                         "tok_s": rec["tok_s"], "weight_MB": rec["weight_bytes"] / 1e6})
-    try:
-        import llama_cpp  # noqa: F401
-
-        for batch, rec in run("llama.cpp", args).items():
-            rows.append({"engine": "llama.cpp", "weights": "gguf", "dtype": "-", "batch": batch, "tok_s": rec["tok_s"],
-                         "weight_MB": None})
-    except ImportError:
-        print("llama-cpp-python is not installed: the llama.cpp rows are skipped "
-              "(pip install llama-cpp-python, built as benchmarks/peers documents)")
+                         "tok_s": rec["tok_s"], "decode_tok_s": rec["decode_tok_s"],
+                         "first_token_s": rec["first_token_s"], "weight_MB": rec["weight_bytes"] / 1e6})
+    llama = run_llama_cpp(args) if "1" in args.batch_sizes.split(",") else None
+    if llama is None:
+        print(f"no llama-cpp-python virtualenv at {PEERS / 'llamacpp'} (python -m venv there, then pip install "
+              "llama-cpp-python): the llama.cpp row is skipped")
+    for batch, rec in (llama or {}).items():
+        rows.append({"engine": "llama.cpp", "weights": "gguf", "dtype": "-", "batch": batch, "tok_s": rec["tok_s"],
+                     "decode_tok_s": rec["decode_tok_s"], "first_token_s": rec["first_token_s"], "weight_MB": None})
     base = {r["batch"]: r["tok_s"] for r in rows if r["weights"] == "float" and r["dtype"] == "float32"}
+    base = base or {r["batch"]: r["tok_s"] for r in rows[:1]}
     for r in rows:
         r["vs_float32"] = r["tok_s"] / base[r["batch"]] if r["batch"] in base else None
-    print_table(rows, ["engine", "weights", "dtype", "batch", "tok_s", "vs_float32", "weight_MB"])
+    print_table(rows, ["engine", "weights", "dtype", "batch", "tok_s", "decode_tok_s", "first_token_s", "vs_float32",
+                       "weight_MB"])
     path = write_json("bench_quant", {"new_tokens": args.new_tokens, "rows": rows})
     print(f"wrote {path}")
 

@@ -1,13 +1,18 @@
-"""Greedy generation of the real SmolLM2 equals transformers' generate, alone and batched."""
+"""Greedy generation of the real SmolLM2 equals transformers' generate, alone and batched.
+
+Both run the file's dequantized float weights (``weights="float"``): the default 4-bit run
+rounds its activations to 16 bits inside the kernel, so near-ties may break the other way; its
+agreement with this float run is tested in tests/models/test_quantized.py."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from radixgen import Engine, FinishReason, SamplingParams
+from radixgen import Engine, EngineConfig, FinishReason, SamplingParams
 
 pytestmark = pytest.mark.real_model
 
@@ -29,11 +34,18 @@ def hf_model(default_model_dir: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def reference(hf_model: Any, real_engine: Engine) -> list[tuple[list[int], list[int]]]:
+def float_engine() -> Iterator[Engine]:
+    engine = Engine(EngineConfig(kv_cache_tokens=16384, max_context_len=2048, weights="float"))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model: Any, float_engine: Engine) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, transformers' greedy continuation) per question, EOS included if reached."""
     cases = []
     for q in QUESTIONS:
-        ids = real_engine.apply_chat_template([{"role": "user", "content": q}])
+        ids = float_engine.apply_chat_template([{"role": "user", "content": q}])
         with torch.no_grad():
             out = hf_model.generate(
                 torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
@@ -48,22 +60,22 @@ def _check(out: Any, expected: list[int]) -> None:
     assert out.finish_reason is (FinishReason.LENGTH if len(expected) == NEW_TOKENS else FinishReason.STOP)
 
 
-def test_greedy_alone_equals_transformers(real_engine: Engine, reference: list[tuple[list[int], list[int]]]) -> None:
+def test_greedy_alone_equals_transformers(float_engine: Engine, reference: list[tuple[list[int], list[int]]]) -> None:
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0)
     for ids, expected in reference:
-        _check(real_engine.generate(ids, params), expected)
+        _check(float_engine.generate(ids, params), expected)
 
 
 def test_greedy_batched_with_other_lengths_equals_transformers(
-    real_engine: Engine, reference: list[tuple[list[int], list[int]]]
+    float_engine: Engine, reference: list[tuple[list[int], list[int]]]
 ) -> None:
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0)
-    fillers = [real_engine.apply_chat_template([{"role": "user", "content": "word " * n}]) for n in (3, 60, 150)]
+    fillers = [float_engine.apply_chat_template([{"role": "user", "content": "word " * n}]) for n in (3, 60, 150)]
     prompts = [ids for ids, _ in reference] + fillers
-    outs = real_engine.generate(prompts, params)
+    outs = float_engine.generate(prompts, params)
     for out, (_, expected) in zip(outs, reference, strict=False):
         _check(out, expected)
-    assert real_engine.scheduler.stats.batch_size_sum > real_engine.scheduler.stats.num_steps
+    assert float_engine.scheduler.stats.batch_size_sum > float_engine.scheduler.stats.num_steps
 
 
 def test_text_is_the_decoded_tokens(real_engine: Engine) -> None:

@@ -1,6 +1,7 @@
 """Weight-only quantized linears: the native kernel against a float reference built from the same
-dequantized weights (exact values, so only the accumulation order differs: float32 within 1e-4
-relative to the row's magnitude), the GGUF block layouts, and whole models run quantized."""
+dequantized weights (exact values; the kernel rounds the activations to 16 bits per group of 32,
+so float32 agrees within 3e-4 of the outputs' magnitude, the PyTorch path within 1e-4), the GGUF
+block layouts, and whole models run quantized."""
 
 from __future__ import annotations
 
@@ -34,10 +35,13 @@ def test_kernel_matches_the_dequantized_float_linear(kernels: Any, bits: int, ou
     got = linear(x, kernels)
     assert got.dtype == dtype and got.shape == (tokens, out)
     scale = reference.abs().amax() + 1
-    tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the output's rounding
+    # float32: each activation is within 2^-16 of its group's largest (measured up to 1.3e-4 here,
+    # a float GEMM 5e-7); bf16: the output's rounding
+    tolerance = 3e-4 if dtype == torch.float32 else 2e-2
     assert ((got.float() - reference).abs() / scale).max() < tolerance
-    # the PyTorch path (other devices) agrees
-    torch.testing.assert_close(linear(x).float(), reference, atol=float(scale) * tolerance, rtol=0)
+    # the PyTorch path (other devices) agrees, to accumulation order
+    torch_tolerance = 1e-4 if dtype == torch.float32 else tolerance
+    torch.testing.assert_close(linear(x).float(), reference, atol=float(scale) * torch_tolerance, rtol=0)
 
 
 def test_dequantize_op_equals_the_pytorch_dequantization(kernels: Any) -> None:
@@ -96,7 +100,8 @@ def test_a_quantized_gguf_runs_quantized_and_equals_its_dequantized_float_copy(
 ) -> None:
     """A tiny random Gemma 2 written as a Q4_0 GGUF: ``auto`` runs its blocks as they are (4 bits,
     embedding included; Gemma's stored 1 + w norms), ``float`` runs transformers' dequantization
-    of the same file; the logits agree to accumulation order. (A 2,048-token cut of the bundled
+    of the same file; the logits agree to the kernel's 16-bit rounding of the activations (within
+    1e-3; logits reach the final cap of 30, and the float paths agree to ~1e-5). (A 2,048-token cut of the bundled
     vocabulary: transformers' reader takes seconds per read of the whole one.) Fields the reader does not read back take its
     defaults, which are the released models' values (caps 50 / 30, query scalar 256)."""
     from radixgen.models import load_model
@@ -117,7 +122,7 @@ def test_a_quantized_gguf_runs_quantized_and_equals_its_dequantized_float_copy(
     ids = list(range(7, 67))
     outs = [PoolHarness(m, kernels=kernels, decode_kernel=kernels.decode_attention if kernels else None).extend(
         [(0, ids)])[0] for m in (quantized.model, dequantized)]
-    torch.testing.assert_close(outs[0], outs[1], atol=2e-4, rtol=0)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-3, rtol=0)
 
 
 
@@ -128,8 +133,9 @@ PROMPTS = ["Name three uses of a radix tree.", "Write a haiku about the sea.", "
 @pytest.mark.real_model
 def test_the_bundled_model_runs_as_int4_close_to_its_dequantized_float_copy(tokenizer: Any) -> None:
     """The bundled Q4_1 file under ``weights=auto`` (its linears at 4 bits, the Q8_0 embedding
-    and tied head at 8): logits within 2e-3 of the dequantized float32 model on chat prompts
-    (measured ~1.5e-4; logits reach ~40), greedy tokens equal for the first 24 tokens of 5 chat
+    and tied head at 8): logits within 5e-2 of the dequantized float32 model on chat prompts
+    (measured ~1.6e-2: the kernel's 16-bit activations, where llama.cpp rounds them to 8 bits; a
+    float kernel agreed to 1.5e-4; logits reach ~40), greedy tokens equal for the first 24 tokens of 5 chat
     prompts, JSON-schema output valid, and resident weights within 1.3x the file's size."""
     import json
 
@@ -152,7 +158,7 @@ def test_the_bundled_model_runs_as_int4_close_to_its_dequantized_float_copy(toke
         ids = tokenizer.encode(text, add_special_tokens=False)
         got, want = (PoolHarness(m.model, kernels=kernels, decode_kernel=kernels.decode_attention if kernels else None)
                      .extend([(0, ids)])[0] for m in (quantized, dequantized))
-        torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=0)
     del dequantized
     engines = [Engine(EngineConfig(kv_cache_tokens=4096, max_context_len=1024, weights=w)) for w in ("auto", "float")]
     try:
