@@ -89,6 +89,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     server_config = uvicorn.Config(app, host=config.host, port=config.port,
                                    log_level=config.log_level, timeout_graceful_shutdown=5)
     DrainingServer(server_config, app.state.drain).run()
+    from radixgen.engine.process import skip_exit_collection
+
+    skip_exit_collection()
     return 0
 
 
