@@ -8,9 +8,10 @@ dequantized (``gguf_weights.py``); float checkpoints are quantized here (``quant
 On CPU, steps of up to ``FUSED_MAX_TOKENS`` tokens (decode batches) run the native
 ``quant_linear``: the activations rounded to 16-bit integers per group of 32, each group of
 weights multiplied with up to 8 tokens by integer multiply-adds, so W is read at 0.625 (4-bit)
-or 1.125 (8-bit) bytes per weight and no float copy is made. Longer steps (prefill) are compute-bound and the float GEMM is faster there
-(gate_up at 256 / 1024 tokens: 10.6 / 39.8 ms fused against 8.9 / 28.6 ms dequantized + GEMM,
-which includes the dequantization): the weight is dequantized for that one call and freed.
+or 1.125 (8-bit) bytes per weight and no float copy is made. Longer steps (prefill) are
+compute-bound and the float GEMM is faster there (gate_up at 128 / 512 tokens: 6.7 / 27.2 ms in
+the kernel against 6.0 / 18.2 ms dequantized + GEMM, the dequantization included): the weight is
+dequantized for that one call and freed.
 Elsewhere (or without the native ops) the same in PyTorch ops.
 """
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from radixgen import Engine, EngineConfig, FinishReason, SamplingParams
+from tests.conftest import _live_engines, _track
 
 pytestmark = pytest.mark.real_model
 
@@ -35,8 +36,10 @@ def hf_model(default_model_dir: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def float_engine() -> Iterator[Engine]:
-    engine = Engine(EngineConfig(kv_cache_tokens=16384, max_context_len=2048, weights="float"))
+    # tracked like the shared engines, so the KV check after every test covers it too
+    engine = _track(Engine(EngineConfig(kv_cache_tokens=16384, max_context_len=2048, weights="float")))
     yield engine
+    _live_engines.remove(engine)
     engine.shutdown()
 
 
