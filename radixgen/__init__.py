@@ -1,7 +1,26 @@
 """radixgen: serve language models with a radix prefix cache and fast structured output."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from radixgen.config import EngineConfig, ServerConfig
-from radixgen.engine import Engine, FinishReason, GenerationOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from radixgen.engine import Engine, FinishReason, GenerationOutput, SamplingParams
+
+# the engine (and torch under it) loads on first use: the server's HTTP process, the HTTP
+# client of the DSL and the CLI's argument parsing never touch it
+_LAZY = {"Engine": "radixgen.engine", "FinishReason": "radixgen.engine", "GenerationOutput": "radixgen.engine",
+         "SamplingParams": "radixgen.engine"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'radixgen' has no attribute {name!r}")
+
 
 __all__ = ["Engine", "EngineConfig", "FinishReason", "GenerationOutput", "SamplingParams", "ServerConfig"]
 __version__ = "0.1.0"

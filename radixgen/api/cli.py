@@ -70,21 +70,26 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from radixgen.api.drain import DrainingServer
-    from radixgen.api.server import create_app
-    from radixgen.config import ServerConfig
-
     config = config_from_args(args, ServerConfig)
     assert isinstance(config, ServerConfig)
-    client = None
     if config.replicas < 1:
         raise SystemExit(f"--replicas must be at least 1, got {config.replicas}")
+    client: Any
     if config.replicas > 1 or config.ray_address:
         from radixgen.cluster.ray_serve import ClusterClient, start_replicas
 
         client = ClusterClient(config, start_replicas(config))
+    else:
+        from radixgen.api.engine_client import EngineClient
+
+        client = EngineClient(config, restarts=config.engine_restarts)
+        client.launch()  # the model loads while the HTTP stack below is imported
+
+    import uvicorn
+
+    from radixgen.api.drain import DrainingServer
+    from radixgen.api.server import create_app
+
     app = create_app(config, client=client)
     server_config = uvicorn.Config(app, host=config.host, port=config.port,
                                    log_level=config.log_level, timeout_graceful_shutdown=5)

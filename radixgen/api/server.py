@@ -6,6 +6,8 @@ tokenizer, metrics) and keeps it on ``app.state``; there is no module-level muta
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -103,13 +105,24 @@ def status_of(exc: Exception) -> int:
     return 400
 
 
+def _import_tokenizer_stack() -> Any:
+    """transformers' tokenizer loading, imported while the engine process starts: every model
+    configuration class imports transformers' type validators, which pull in torch.distributed
+    (~2 s, run after the engine was ready before)."""
+    from transformers import AutoTokenizer
+
+    with contextlib.suppress(ImportError):  # an internal module: warming it is optional
+        import transformers.utils.type_validators  # noqa: F401
+    return AutoTokenizer
+
+
 def create_app(config: ServerConfig, *, client: EngineHandle | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        from transformers import AutoTokenizer
-
         engine: EngineHandle = client or EngineClient(config, restarts=config.engine_restarts)
+        warm = asyncio.create_task(asyncio.to_thread(_import_tokenizer_stack))
         await engine.start()
+        AutoTokenizer = await warm  # noqa: N806 - the class, imported in the thread
         app.state.client = engine
         app.state.tokenizer = AutoTokenizer.from_pretrained(engine.info["model_path"])
         app.state.config = config

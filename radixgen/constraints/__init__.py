@@ -8,7 +8,6 @@ from typing import Any
 
 from radixgen.constraints.backend import Grammar, GrammarBackend, Matcher
 from radixgen.constraints.compile import GrammarService
-from radixgen.constraints.mask import allocate_bitmask, apply_bitmask
 from radixgen.constraints.schema_rewrite import DEFAULT_OPTIONS, GrammarOptions
 from radixgen.constraints.spec import (
     JSON_OBJECT,
@@ -17,6 +16,17 @@ from radixgen.constraints.spec import (
     regex_spec,
     schema_spec,
 )
+
+
+def __getattr__(name: str) -> Any:
+    # the mask ops import torch; the specs, grammars and matchers (what the server's HTTP process
+    # uses) do not
+    if name in ("allocate_bitmask", "apply_bitmask"):
+        from radixgen.constraints import mask
+
+        return getattr(mask, name)
+    raise AttributeError(f"module 'radixgen.constraints' has no attribute {name!r}")
+
 
 # name -> "module:class"; heavy backends are imported only when chosen.
 BACKENDS = {
