@@ -18,9 +18,13 @@ import pytest
 import torch
 
 from radixgen import Engine, EngineConfig
+from radixgen.engine import kv_pool
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
+# every in-process engine's KV pool starts as NaN: a slot read before it was written poisons the
+# logits it reaches, where the uninitialised memory of a served pool would hide it
+kv_pool.UNWRITTEN_FILL = float("nan")
 
 _live_engines: list[Engine] = []
 
