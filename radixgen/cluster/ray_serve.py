@@ -67,12 +67,14 @@ def start_replicas(config: ServerConfig) -> list[Any]:
     resources: dict[str, float] = {"num_cpus": cpus}
     if config.device.startswith("cuda"):
         resources["num_gpus"] = 1.0
-    handles = []
-    for i in range(config.replicas):
-        app = EngineReplica.options(  # type: ignore[attr-defined]  # serve.deployment makes it a Deployment
-            name=f"engine-{i}", ray_actor_options=resources).bind(engine_config, i)
-        handles.append(serve.run(app, name=f"{APP_PREFIX}{i}", route_prefix=None))
-    return handles
+    from ray.serve.api import RunTarget
+
+    apps = [RunTarget(EngineReplica.options(  # type: ignore[attr-defined]  # serve.deployment makes it a Deployment
+        name=f"engine-{i}", ray_actor_options=resources).bind(engine_config, i), name=f"{APP_PREFIX}{i}",
+        route_prefix=None) for i in range(config.replicas)]
+    # deployed together, so the replicas load their models at the same time (one serve.run each
+    # waited for the one before it: ~10 s a replica on the tiny model)
+    return list(serve.run_many(apps))
 
 
 def stop_replicas(num_replicas: int, *, shared_cluster: bool) -> None:
