@@ -121,17 +121,21 @@ def test_real_model_schemas_and_regexes(real_engine: Engine) -> None:
     assert len(REAL_SCHEMAS) >= 20 and len(REAL_REGEXES) >= 10
     prompts = [real_engine.apply_chat_template([{"role": "user", "content": f"Reply with one JSON example. Case {i}."}])
                for i in range(len(REAL_SCHEMAS))]
-    for temperature in (0.0, 1.0):
-        outs = real_engine.generate(prompts, [SamplingParams(max_new_tokens=512, temperature=temperature, seed=7,
-                                                             json_schema=s) for s in REAL_SCHEMAS])
-        for out, schema in zip(outs, REAL_SCHEMAS, strict=True):
-            assert out.finish_reason is FinishReason.STOP, out.text
-            jsonschema.validate(json.loads(out.text), schema)
-        q = real_engine.apply_chat_template([{"role": "user", "content": "Answer briefly."}])
-        outs = real_engine.generate([q] * len(REAL_REGEXES), [SamplingParams(max_new_tokens=40, temperature=temperature, seed=3,
-                                                                             regex=r) for r in REAL_REGEXES])
-        for out, pattern in zip(outs, REAL_REGEXES, strict=True):
-            assert re.fullmatch(pattern, out.text), (pattern, out.text)
+    q = real_engine.apply_chat_template([{"role": "user", "content": "Answer briefly."}])
+    # greedy and sampled, schemas and regexes, all in one batch: one pass of steps instead of four
+    temperatures = (0.0, 1.0)
+    # 192: the greedy run of one schema repeats itself for ~440 tokens when left 512; budget steering
+    # closes it in time (what users get from a tight max_tokens), and the rest are ~8-190 tokens long
+    params = [SamplingParams(max_new_tokens=192, temperature=t, seed=7, json_schema=s)
+              for t in temperatures for s in REAL_SCHEMAS]
+    params += [SamplingParams(max_new_tokens=40, temperature=t, seed=3, regex=r) for t in temperatures for r in REAL_REGEXES]
+    outs = real_engine.generate(prompts * len(temperatures) + [q] * (len(temperatures) * len(REAL_REGEXES)), params)
+    schema_outs, regex_outs = outs[: len(temperatures) * len(REAL_SCHEMAS)], outs[len(temperatures) * len(REAL_SCHEMAS):]
+    for out, schema in zip(schema_outs, REAL_SCHEMAS * len(temperatures), strict=True):
+        assert out.finish_reason is FinishReason.STOP, out.text
+        jsonschema.validate(json.loads(out.text), schema)
+    for out, pattern in zip(regex_outs, REAL_REGEXES * len(temperatures), strict=True):
+        assert re.fullmatch(pattern, out.text), (pattern, out.text)
 
 
 JF_SCHEMAS = [
