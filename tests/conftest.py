@@ -21,7 +21,20 @@ from radixgen import Engine, EngineConfig
 from radixgen.engine import kv_pool
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+
+def _pin_xdist_worker() -> None:
+    """Under ``pytest -n N`` each worker runs on a core of its own, as on a one-core machine
+    (its servers and engines inherit that and size their threads to it): two workers' torch
+    threads sharing both cores spin-wait against each other."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[int(worker.removeprefix("gw")) % len(cores)]})
+
+
+_pin_xdist_worker()
+torch.set_num_threads(min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2))
 # every in-process engine's KV pool starts as NaN: a slot read before it was written poisons the
 # logits it reaches, where the uninitialised memory of a served pool would hide it
 kv_pool.UNWRITTEN_FILL = float("nan")
