@@ -16,6 +16,7 @@ from radixgen.api.chat import ChatFormat, chat_prompt_ids
 from radixgen.api.protocol import ChatCompletionRequest
 from radixgen.constraints import make_backend
 from radixgen.constraints.structural import structural_spec
+from radixgen.errors import InvalidConstraintError
 from radixgen.tool_formats import CallFormat
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
@@ -93,6 +94,30 @@ def test_one_call_at_most_and_calls_only(tokenizer: Any, backend: Any) -> None:
     assert required.forced_string().startswith("<tool_call>")
 
 
+ANSWER = {"type": "object", "properties": {"summary": {"type": "string"}, "celsius": {"type": "integer"}},
+          "required": ["summary", "celsius"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("fmt", [tool_formats.SMOLLM2, tool_formats.HERMES], ids=lambda f: f.name)
+def test_auto_with_a_response_format_is_a_call_block_or_the_answer(tokenizer: Any, backend: Any,
+                                                                   fmt: CallFormat) -> None:
+    grammar = backend.compile(structural_spec({
+        "tool_calls": fmt.structure(TOOLS, free_text=False, min_calls=1, max_calls=None), "json_schema": ANSWER}))
+
+    def accepts(text: str) -> bool:
+        matcher = grammar.matcher()
+        return all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False)) and matcher.accept(2)
+
+    assert accepts(fmt.render_calls([("get_weather", '{"city": "Oslo"}')]))
+    assert accepts('{"summary": "mild", "celsius": 12}')
+    assert not accepts("It is mild in Oslo.")  # neither a call nor the answer
+    assert not accepts('{"summary": "mild", "celsius": "12"}')  # an answer off its schema
+    assert not accepts('Let me check. ' + fmt.render_calls([("get_weather", '{"city": "Oslo"}')]))
+    with pytest.raises(InvalidConstraintError, match="free_text must be false"):
+        structural_spec({"tool_calls": fmt.structure(TOOLS, free_text=True, min_calls=0, max_calls=None),
+                         "json_schema": ANSWER})
+
+
 def test_a_text_answer_that_mentions_the_trigger_stays_content() -> None:
     content, calls = tool_formats.parse(tool_formats.HERMES, "Use a <tool_cal tag, or <tool_call>x")
     assert calls == [] and content == "Use a <tool_cal tag, or <tool_call>x"
@@ -116,12 +141,10 @@ def test_thinking_template_reasoning_then_valid_json(tokenizer: Any, backend: An
 
 
 def test_structural_specs_are_checked() -> None:
-    from radixgen.errors import InvalidConstraintError
-
     fmt: CallFormat = tool_formats.SMOLLM2
     good = {"tool_calls": fmt.structure(TOOLS, free_text=True, min_calls=0, max_calls=None)}
     assert structural_spec(good).kind == "structural"
-    with pytest.raises(InvalidConstraintError, match="exactly one"):
+    with pytest.raises(InvalidConstraintError, match="tool_calls, json_schema, or both"):
         structural_spec({"reasoning": {"begin": "<think>", "end": "</think>"}})
     broken = copy.deepcopy(good)
     broken["tool_calls"]["trigger"] = "<call>"

@@ -138,19 +138,26 @@ class ToolPlan:
     def constraint(self, response: dict[str, Any]) -> dict[str, Any]:
         """SamplingParams constraint keywords: tool calls in the family's format, and the
         request's own constraint (``response``, from response_format) after any reasoning."""
+        answers_json = "json_schema" in response or "json_object" in response
         if self.calls_tools and response:
-            if self.mode != "auto":
+            if self.mode != "auto" and not self.scored:  # the scores choosing a call is auto's own decision
                 raise InvalidParamsError("a forced tool call (tool_choice required or named) cannot be combined with "
                                          "response_format, regex or choices")
-            return response  # the answer follows response_format; the tools stay described
+            if not answers_json:
+                return response  # a regex or choices answer: it wins, the tools stay described
         markers = self.fmt.reasoning
         if self.calls_tools:
             offered = [self.named] if self.named is not None else self.tools
+            # with a response_format the turn is a call block or the final answer in its schema,
+            # as OpenAI's API (and agent SDKs with an output type and tools) expect
+            free_text = self.mode == "auto" and not answers_json
             structure: dict[str, Any] = {"tool_calls": self.fmt.calls.structure(
-                [(t.function.name, _parameters(t)) for t in offered], free_text=self.mode == "auto",
-                min_calls=0 if self.mode == "auto" else 1,
+                [(t.function.name, _parameters(t)) for t in offered], free_text=free_text,
+                min_calls=0 if free_text else 1,
                 max_calls=1 if self.single or self.legacy or (self.mode == "named" and not self.scored) else None)}
-        elif markers is not None and ("json_schema" in response or "json_object" in response):
+            if answers_json and self.mode == "auto":
+                structure["json_schema"] = response.get("json_schema", {"type": "object"})
+        elif markers is not None and answers_json:
             structure = {"json_schema": response.get("json_schema", {"type": "object"})}
         else:
             return response

@@ -7,6 +7,9 @@ Two shapes, both backend-neutral dicts (``structural_spec`` checks and normalise
   whose every call names one of the tools and whose arguments match that tool's schema; after
   the block the text goes on and another block may start (unless ``max_calls`` is 1). With
   ``free_text`` false the output is calls only (``tool_choice="required"`` or a named tool).
+- **a call block or the JSON answer** (both ``tool_calls``, with ``free_text`` false, and
+  ``json_schema``): ``tool_choice="auto"`` with a ``response_format`` — the model either calls
+  tools or gives the final answer in the requested schema, as OpenAI's API allows.
 - **a reasoning section first** (``"reasoning": {"begin": "<think>", "end": "</think>"}``):
   free text up to the end marker, then the rest (tool calls, or ``{"json_schema": ...}``) is
   constrained: a thinking model reasons unconstrained and answers under the constraint.
@@ -39,9 +42,9 @@ def structural_spec(structure: Any) -> ConstraintSpec:
     if unknown:
         raise InvalidConstraintError(f"structural has unknown parts {sorted(unknown)}; "
                                      "use reasoning, tool_calls or json_schema")
-    bodies = [k for k in ("tool_calls", "json_schema") if k in structure]
-    if len(bodies) != 1:
-        raise InvalidConstraintError("structural needs exactly one of tool_calls and json_schema")
+    if "tool_calls" not in structure and "json_schema" not in structure:
+        raise InvalidConstraintError("structural needs tool_calls, json_schema, or both (a call block or the "
+                                     "JSON answer)")
     depth = 0
     reasoning = structure.get("reasoning")
     if reasoning is not None:
@@ -50,7 +53,7 @@ def structural_spec(structure: Any) -> ConstraintSpec:
             raise InvalidConstraintError("structural.reasoning.end must be a non-empty marker")
     if "json_schema" in structure:
         depth = schema_spec(structure["json_schema"]).depth
-    else:
+    if "tool_calls" in structure:
         calls = structure["tool_calls"]
         _strings(calls, "structural.tool_calls", ("trigger", "block_begin", "block_end"))
         begins_with_trigger = not calls["block_begin"] or calls["block_begin"].startswith(calls["trigger"])
@@ -65,6 +68,9 @@ def structural_spec(structure: Any) -> ConstraintSpec:
                 raise InvalidConstraintError(f"structural.tool_calls.calls[{i}].begin must start with the trigger")
         if calls.get("min_calls", 0) not in (0, 1) or calls.get("max_calls") not in (None, 1):
             raise InvalidConstraintError("structural.tool_calls: min_calls is 0 or 1, max_calls 1 or null")
+        if "json_schema" in structure and calls.get("free_text", True):
+            raise InvalidConstraintError("structural.tool_calls.free_text must be false next to json_schema: "
+                                         "the output is a call block or the JSON answer")
     return ConstraintSpec("structural", json.dumps(structure, separators=(",", ":")), depth)
 
 
@@ -81,9 +87,9 @@ def xgrammar_structural_tag(structure: dict[str, Any], options: GrammarOptions) 
         return {"type": "json_schema", "json_schema": grammar_schema(schema, options),
                 "max_whitespace_cnt": _JSON_WHITESPACE}
 
-    if "json_schema" in structure:
-        body = json_format(structure["json_schema"])
-    else:
+    answer = json_format(structure["json_schema"]) if "json_schema" in structure else None
+    body = answer
+    if "tool_calls" in structure:
         spec = structure["tool_calls"]
         single = spec.get("max_calls") == 1
 
@@ -102,6 +108,8 @@ def xgrammar_structural_tag(structure: dict[str, Any], options: GrammarOptions) 
         body = {"type": "triggered_tags", "triggers": [spec["trigger"]], "tags": blocks,
                 "at_least_one": bool(spec.get("min_calls", 0)) or not spec.get("free_text", True),
                 "stop_after_first": one_block}
+        if answer is not None:
+            body = {"type": "or", "elements": [body, answer]}
     reasoning = structure.get("reasoning")
     if reasoning is not None:
         body = {"type": "sequence", "elements": [

@@ -413,6 +413,40 @@ def test_auto_tool_choice_answers_in_text_or_a_parsed_call(server: LiveServer) -
         assert choice.message.content is not None and choice.message.tool_calls is None
 
 
+def test_auto_tools_with_a_response_format_give_valid_calls_or_the_parsed_answer(server: LiveServer) -> None:
+    """What agent SDKs with an output type and tools send: every turn is either calls that
+    validate for their tool or the final answer in the schema, parsed by the openai client."""
+    import jsonschema
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        color: str
+        done: bool
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]  # parse() wants it
+    after_a_result = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "wait", "arguments": '{"seconds": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "waited"}]
+    outcomes = []
+    # the first turn goes through the scored call decision; after a tool's result the grammar
+    # alone lets the model call again or answer
+    for messages, seed in [(m, seed) for m in (CHAT, after_a_result) for seed in range(5)]:
+        resp = client(server).chat.completions.parse(model="tiny", messages=messages, max_tokens=48, tools=strict,
+                                                     tool_choice="auto", response_format=Verdict, temperature=1.0,
+                                                     seed=seed)
+        choice = resp.choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls" and not choice.message.content
+            for call in choice.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            outcomes.append("calls")
+        else:
+            assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Verdict), choice
+            outcomes.append("answer")
+    assert set(outcomes) == {"calls", "answer"}, outcomes  # both ways out are open (seeded: 7 calls, 3 answers)
+
+
 def test_json_finishes_within_max_tokens_and_a_budget_too_small_is_a_400(server: LiveServer) -> None:
     """Through the openai client: at a tight budget every answer is complete JSON ('stop', flagged
     shortened where steered, counted in /metrics); below the schema's shortest output, a 400 that
