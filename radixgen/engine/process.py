@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
+import time
 from typing import Any
 
 from radixgen.config import EngineConfig
@@ -23,10 +25,11 @@ def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: 
     """Entry point of the engine process (spawned by the server's EngineClient)."""
     import zmq
 
-    from radixgen.engine.engine import Engine
-
     logging.basicConfig(level=getattr(logging, config.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s engine %(name)s: %(message)s")
+    _exit_with_parent(os.getppid())
+
+    from radixgen.engine.engine import Engine
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(requests_addr)
@@ -71,6 +74,21 @@ def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: 
         outbox.close(linger=100)
         ctx.term()
         skip_exit_collection()
+
+
+def _exit_with_parent(parent: int, period_s: float = 0.5) -> None:
+    """End this process when the server process that spawned it is gone. A server killed with
+    SIGKILL (an OOM kill, a supervisor's hard stop) cannot stop its engine, which then kept
+    its model and KV pool in memory with no one to serve; a restarted server starts its own."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(period_s)
+            if os.getppid() != parent:  # re-parented: the server process has exited
+                logger.error("the server process %d is gone; the engine process exits", parent)
+                os._exit(1)  # nothing left to drain: no one can receive the outputs
+
+    threading.Thread(target=watch, name="radixgen-parent-watch", daemon=True).start()
 
 
 def skip_exit_collection() -> None:

@@ -298,6 +298,15 @@ def test_sigterm_drains_then_exits_cleanly(start_server: Callable[..., LiveServe
     srv.stop()
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit is reaped by whatever adopted it, maybe never)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_a_crashed_engine_is_restarted_and_serves_again(start_server: Callable[..., LiveServer]) -> None:
     srv = start_server("--engine-restarts", "1")
     pid = srv.stats()["engine_pid"]
@@ -333,6 +342,13 @@ def test_a_crashed_engine_is_restarted_and_serves_again(start_server: Callable[.
     stats = srv.wait_idle()
     assert stats["engine_pid"] != pid
     assert stats["held_by_requests"] == 0 and stats["free"] + stats["held_by_tree"] == stats["pool_size"]
+    # a server killed outright takes its (restarted) engine with it: no orphan keeps the model
+    os.kill(srv.proc.pid, signal.SIGKILL)
+    srv.proc.wait(10)
+    deadline = time.monotonic() + 10
+    while _running(stats["engine_pid"]):
+        assert time.monotonic() < deadline, "the engine process outlived its server"
+        time.sleep(0.2)
     srv.stop()
 
 
