@@ -219,12 +219,15 @@ def test_api_key_and_queue_limit(start_server: Callable[..., LiveServer], monkey
     srv.stop()
 
 
-async def _until_active(srv: LiveServer, count: int) -> None:
-    """Wait until the server holds ``count`` requests in flight: the engine is killed in the
-    middle of them, not after a fixed sleep that a fast enough engine finishes within."""
+async def _until_active(srv: LiveServer, count: int, unless: asyncio.Task[Any] | None = None) -> None:
+    """Wait until the server holds ``count`` requests in flight (or ``unless`` is done): the
+    engine is killed in the middle of them, not after a fixed sleep that a fast enough engine
+    finishes within."""
     deadline = time.monotonic() + 30
     async with httpx.AsyncClient(timeout=10, headers=srv.headers) as http:
         while (await http.get(srv.url + "/internal/stats")).json()["active_requests"] < count:
+            if unless is not None and unless.done():
+                return
             assert time.monotonic() < deadline, "the requests never started"
             await asyncio.sleep(0.01)
 
@@ -264,8 +267,6 @@ def test_sigterm_drains_then_exits_cleanly(start_server: Callable[..., LiveServe
 
     async def scenario() -> tuple[httpx.Response, httpx.Response, list[str], httpx.Response, float]:
         async with httpx.AsyncClient(timeout=60) as http:
-            short = asyncio.create_task(http.post(srv.url + "/v1/completions",
-                                                  json={"prompt": "hi", "max_tokens": 40, "ignore_eos": True}))
             long = asyncio.create_task(http.post(srv.url + "/v1/completions", json=long_body))
             events: list[str] = []
 
@@ -276,7 +277,11 @@ def test_sigterm_drains_then_exits_cleanly(start_server: Callable[..., LiveServe
                             events.append(line)
 
             stream = asyncio.create_task(streamed())
-            await _until_active(srv, 3)
+            await _until_active(srv, 2)
+            # the short one last: sent first, on a loaded core it could end before the others began
+            short = asyncio.create_task(http.post(srv.url + "/v1/completions",
+                                                  json={"prompt": "hi", "max_tokens": 40, "ignore_eos": True}))
+            await _until_active(srv, 3, unless=short)
             srv.proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
             await asyncio.sleep(0.3)
