@@ -72,7 +72,7 @@ class EngineClient:
     def launch(self) -> None:
         """Spawn the engine process without waiting for it. ``radixgen serve`` calls this before
         it imports the HTTP stack, so that the model loads while the server's own imports run
-        (the two were one after the other: ~5 s of a ~17 s start on the bundled model)."""
+        (they ran one after the other before: benchmarks/bench_startup.py)."""
         if self._process is not None:
             return
         spawn = mp.get_context("spawn")

@@ -15,9 +15,9 @@ PAD_SLOT = 0
 
 UNWRITTEN_FILL: float | None = None
 """What a slot holds before its first write. Every slot is written before it is read (the pad
-slot aside, zeroed), so by default the pool is left as allocated: zeroing a 2 GB pool took 1.7 s
-of each start and made all of it resident at once. The test suite sets NaN, so that a read of a
-slot never written shows in its outputs."""
+slot aside, zeroed), so by default the pool is left as allocated: zeroing it cost every start a
+pass over the whole pool and made all of it resident at once. The test suite sets NaN, so that
+a read of a slot never written shows in its outputs."""
 
 
 class SlotAllocator:
