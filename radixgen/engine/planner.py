@@ -15,8 +15,8 @@ tokens go into the tree, so they resume cheaply).
 from __future__ import annotations
 
 import logging
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -95,6 +95,40 @@ def _prompt_scoring(reqs: list[Request], prefix_lens: np.ndarray, extend_lens: n
     return PromptScoring(index, targets, owners, offsets)
 
 
+class RequestQueue:
+    """The waiting requests, front first: O(1) at both ends and O(1) removal of any of them (a
+    deque's ``remove`` scanned the whole queue for each aborted request: a disconnect storm over
+    a long queue was quadratic)."""
+
+    def __init__(self, requests: Iterable[Request] = ()) -> None:
+        self._order: OrderedDict[Request, None] = OrderedDict.fromkeys(requests)
+
+    def append(self, req: Request) -> None:
+        self._order[req] = None
+
+    def appendleft(self, req: Request) -> None:
+        self._order[req] = None
+        self._order.move_to_end(req, last=False)
+
+    def popleft(self) -> Request:
+        return self._order.popitem(last=False)[0]
+
+    def front(self) -> Request:
+        return next(iter(self._order))
+
+    def remove(self, req: Request) -> None:
+        self._order.pop(req, None)
+
+    def __contains__(self, req: object) -> bool:
+        return req in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._order)
+
+
 class BatchPlanner:
     """Owns the waiting queue, the running set and the request part-way through chunked
     prefill; plans each step over them through the KV cache manager."""
@@ -107,7 +141,7 @@ class BatchPlanner:
         self.log = log
         self.finish_too_long = finish_too_long
         """Ends a request that alone fills the whole pool (finish_reason length)."""
-        self.waiting: deque[Request] = deque()
+        self.waiting = RequestQueue()
         self.running: dict[Request, None] = {}
         """Running requests in admission order (a dict: O(1) removal, the newest last)."""
         self.running_version = 0
@@ -139,8 +173,7 @@ class BatchPlanner:
     def discard(self, req: Request) -> None:
         """Take ``req`` out of whichever set holds it (it is ending)."""
         if req.status is RequestStatus.WAITING:
-            if req in self.waiting:
-                self.waiting.remove(req)
+            self.waiting.remove(req)
         elif req in self.running:
             self.remove_running(req)
         elif req is self.chunked:
@@ -183,7 +216,7 @@ class BatchPlanner:
             else:
                 if not self.waiting:
                     break
-                req = self.waiting[0]  # admitted in queue order: the next one is the front
+                req = self.waiting.front()  # admitted in queue order
                 if not self._admit(req, room, bool(selected or self.running)):
                     break
                 self.waiting.popleft()
@@ -222,7 +255,7 @@ class BatchPlanner:
             return
         if len(self.waiting) > 1:
             ranked = sorted(self.waiting, key=lambda r: -self.kv.peek_prefix_len(r.all_ids()))
-            self.waiting = deque(ranked)
+            self.waiting = RequestQueue(ranked)
 
     def _admit(self, req: Request, room: int, others_present: bool) -> bool:
         """Give ``req`` a req_to_token row and its cached prefix (locked); False if it must wait."""

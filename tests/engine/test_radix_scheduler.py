@@ -147,3 +147,46 @@ def test_event_log_has_one_record_per_step(make_engine: Callable[..., Engine], t
     )
     assert all(r["decode_rows"] == (r["batch_size"] if r["kind"] == "decode" else 0)
                for r in records if r["kind"] != "mixed")
+
+
+def test_request_queue_keeps_order_through_removals_and_requeues() -> None:
+    from radixgen.engine.planner import RequestQueue
+
+    reqs: list[Any] = [object() for _ in range(6)]
+    queue = RequestQueue(reqs[:4])
+    queue.append(reqs[4])
+    queue.remove(reqs[1])
+    queue.remove(reqs[1])  # an abort racing its own admission: a second removal is a no-op
+    queue.appendleft(reqs[5])  # a retracted request goes first
+    assert list(queue) == [reqs[5], reqs[0], reqs[2], reqs[3], reqs[4]] and len(queue) == 5
+    assert queue.front() is reqs[5] and queue.popleft() is reqs[5] and reqs[5] not in queue
+    assert reqs[0] in queue and bool(queue) and not RequestQueue()
+
+
+def test_aborting_waiting_requests_leaves_the_others_in_order(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine(max_running_requests=1)
+    started: list[str] = []
+    ended: dict[str, FinishReason] = {}
+    lock = threading.Lock()
+
+    def track(o: Any) -> None:
+        with lock:
+            if o.new_token_ids and o.request_id not in started:
+                started.append(o.request_id)
+            if o.finished:
+                ended[o.request_id] = o.finish_reason
+
+    ids = [f"r{i}" for i in range(24)]
+    aborted = set(ids[1::2])
+    for i, rid in enumerate(ids):  # the first runs long, so the rest wait behind it
+        engine.add_request([100 + i, 7, 8], greedy(300 if i == 0 else 4), request_id=rid, on_output=track)
+    for rid in sorted(aborted, reverse=True):  # out of queue order: removals from the middle
+        engine.abort(rid)
+    for _ in range(3000):
+        if len(ended) == len(ids):
+            break
+        threading.Event().wait(0.01)
+    assert {rid for rid, reason in ended.items() if reason is FinishReason.ABORT} == aborted, (ended, started)
+    assert all(ended[rid] is FinishReason.LENGTH for rid in ids if rid not in aborted)
+    kept = [rid for rid in started if rid not in aborted]
+    assert kept == [rid for rid in ids if rid not in aborted], "the queue kept its order"
