@@ -20,7 +20,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -157,23 +156,12 @@ def main() -> None:
         serve_with_stub(Path(args.tree), args.serve)
         return
     sys.path.insert(0, str(ROOT))
-    from benchmarks.common import print_table, write_json
+    from benchmarks.common import print_table, trees_to_measure, write_json
 
     rows = []
-    with tempfile.TemporaryDirectory(prefix="radixgen-before-") as tmp:
-        trees = [(ROOT, "this tree")]
-        if args.before:
-            before = Path(tmp) / "tree"
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(before), args.before],
-                           check=True, capture_output=True)
-            trees.append((before, args.before))
-        try:
-            for tree, label in trees:
-                rows += measure(tree, label, args.streams, args.tokens)
-        finally:
-            if args.before:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(Path(tmp) / "tree")],
-                               check=False, capture_output=True)
+    with trees_to_measure(args.before) as trees:
+        for tree, label in trees:
+            rows += measure(tree, label, args.streams, args.tokens)
     print_table(rows, ["front", "endpoint", "streams", "tokens", "events", "seconds", "tokens_per_s", "front_cpu_s",
                        "tokens_per_front_cpu_s", "events_per_front_cpu_s"])
     print("wrote", write_json("bench_front", {"streams": args.streams, "tokens_per_stream": args.tokens,

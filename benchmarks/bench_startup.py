@@ -18,7 +18,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -94,26 +93,15 @@ def main() -> None:
     parser.add_argument("--before", default=None, help="a git revision to measure side by side")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from benchmarks.common import print_table, write_json
+    from benchmarks.common import print_table, trees_to_measure, write_json
 
-    with tempfile.TemporaryDirectory(prefix="radixgen-before-") as tmp:
-        trees = [(ROOT, "this tree")]
-        if args.before:
-            before = Path(tmp) / "tree"
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(before), args.before],
-                           check=True, capture_output=True)
-            trees.append((before, args.before))
-        try:
-            for tree, _ in trees:
-                measure(tree, args.model)  # warm-up
-            samples: dict[str, list[dict[str, float]]] = {label: [] for _, label in trees}
-            for _ in range(args.rounds):
-                for tree, label in trees:
-                    samples[label].append(measure(tree, args.model))
-        finally:
-            if args.before:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(Path(tmp) / "tree")],
-                               check=False, capture_output=True)
+    with trees_to_measure(args.before) as trees:
+        for tree, _ in trees:
+            measure(tree, args.model)  # warm-up
+        samples: dict[str, list[dict[str, float]]] = {label: [] for _, label in trees}
+        for _ in range(args.rounds):
+            for tree, label in trees:
+                samples[label].append(measure(tree, args.model))
     columns = ["serve_ready_s", "serve_stop_s", "engine_s", "cli_help_s"]
     rows = [{"tree": label, **{c: statistics.median(s[c] for s in runs) for c in columns}}
             for label, runs in samples.items()]

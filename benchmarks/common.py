@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import random
+import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 RESULTS_DIR = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
 
 _PARAGRAPH = (
     "Caching is the art of remembering work so it need not be done twice. A radix tree keeps "
@@ -58,3 +63,22 @@ def write_json(name: str, payload: dict[str, Any]) -> Path:
     payload = {"machine": machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **payload}
     path.write_text(json.dumps(payload, indent=2))
     return path
+
+
+@contextlib.contextmanager
+def trees_to_measure(before: str | None) -> Iterator[list[tuple[Path, str]]]:
+    """(source tree, label) pairs: this checkout, and ``before`` (a git revision) checked out
+    into a temporary worktree for a side-by-side run, removed afterwards."""
+    trees = [(ROOT, "this tree")]
+    with tempfile.TemporaryDirectory(prefix="radixgen-before-") as tmp:
+        worktree = Path(tmp) / "tree"
+        if before:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(worktree), before],
+                           check=True, capture_output=True)
+            trees.append((worktree, before))
+        try:
+            yield trees
+        finally:
+            if before:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)],
+                               check=False, capture_output=True)
