@@ -10,15 +10,13 @@ from radixgen.config import EngineConfig, ServerConfig
 if TYPE_CHECKING:
     from radixgen.engine import Engine, FinishReason, GenerationOutput, SamplingParams
 
-# the engine (and torch under it) loads on first use: the server's HTTP process, the HTTP
-# client of the DSL and the CLI's argument parsing never touch it
-_LAZY = {"Engine": "radixgen.engine", "FinishReason": "radixgen.engine", "GenerationOutput": "radixgen.engine",
-         "SamplingParams": "radixgen.engine"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+    # the engine (and torch under it) loads on first use: the server's HTTP process, the HTTP
+    # client of the DSL and the CLI's argument parsing never touch it
+    if name in ("Engine", "FinishReason", "GenerationOutput", "SamplingParams"):
+        return getattr(importlib.import_module("radixgen.engine"), name)
     raise AttributeError(f"module 'radixgen' has no attribute {name!r}")
 
 

@@ -107,8 +107,8 @@ def status_of(exc: Exception) -> int:
 
 def _import_tokenizer_stack() -> Any:
     """transformers' tokenizer loading, imported while the engine process starts: every model
-    configuration class imports transformers' type validators, which pull in torch.distributed
-    (~2 s, run after the engine was ready before)."""
+    configuration class imports transformers' type validators, which pull in torch.distributed,
+    and that ran after the engine was ready before."""
     from transformers import AutoTokenizer
 
     with contextlib.suppress(ImportError):  # an internal module: warming it is optional

@@ -73,7 +73,7 @@ def start_replicas(config: ServerConfig) -> list[Any]:
         name=f"engine-{i}", ray_actor_options=resources).bind(engine_config, i), name=f"{APP_PREFIX}{i}",
         route_prefix=None) for i in range(config.replicas)]
     # deployed together, so the replicas load their models at the same time (one serve.run each
-    # waited for the one before it: ~10 s a replica on the tiny model)
+    # waited for the replica before it)
     return list(serve.run_many(apps))
 
 
