@@ -26,7 +26,7 @@ serve: install
 	$(VENV)/bin/radixgen serve --port $(PORT)
 
 # Two workers, one core each (tests/conftest.py pins them): much of the suite waits on servers
-# and subprocesses, so the second core was idle about half the time (887 s serial, 639 s here).
+# and subprocesses, so run serially the second core sat idle about half the time.
 # Whole modules go to one worker, so a module's server or model is started once.
 TEST_WORKERS ?= 2
 
