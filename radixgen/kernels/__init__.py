@@ -1,6 +1,6 @@
 """Native CPU kernels, compiled on first use with the system C++ compiler and cached.
 
-Four sources, one extension registering ops under ``torch.ops.radixgen``: decode attention
+Four sources (compiled as one unit, kernels.cpp), one extension registering ops under ``torch.ops.radixgen``: decode attention
 over the KV pool (decode_attention.cpp), a matrix-vector linear for one or two tokens
 (small_linear.cpp), the fused element-wise steps of a layer (fused_ops.cpp), and weight-only
 4/8-bit linears (quant_linear.cpp).
@@ -25,8 +25,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name)
-            for name in ("decode_attention.cpp", "small_linear.cpp", "fused_ops.cpp", "quant_linear.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in (
+    "kernels.cpp", "decode_attention.cpp", "small_linear.cpp", "fused_ops.cpp", "quant_linear.cpp", "common.h")]
+_UNIT = "kernels.cpp"  # includes the other sources
 _OPS = ("decode_attention", "small_linear", "rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul", "quant_linear",
         "quant_dequantize")
 # Release flags that keep IEEE semantics apart from reassociation (so the dot products
@@ -51,7 +52,7 @@ def _build_dir() -> Path:
     from radixgen.models.loader import cache_dir
 
     digest = hashlib.sha256()
-    for path in [*_SOURCES, _SOURCES[0].with_name("common.h")]:
+    for path in _SOURCES:
         digest.update(path.read_bytes())
     tag = f"torch{torch.__version__.replace('+', '_')}-{platform.machine()}-{digest.hexdigest()[:12]}"
     path = cache_dir() / "kernels" / tag
@@ -131,13 +132,13 @@ def _sources_in(build_dir: Path) -> list[Path]:
     src = build_dir / "src"
     src.mkdir(exist_ok=True)
     copies = []
-    for path in [*_SOURCES, _SOURCES[0].with_name("common.h")]:
+    for path in _SOURCES:
         copy = src / path.name
         data = path.read_bytes()
         if not copy.exists() or copy.read_bytes() != data:  # rewriting an equal copy would look newer to ninja
             copy.write_bytes(data)
         copies.append(copy)
-    return [c for c in copies if c.suffix == ".cpp"]
+    return [c for c in copies if c.name == _UNIT]
 
 
 def _put_ninja_on_path() -> None:
