@@ -191,6 +191,11 @@ class OutputReader:
         self.content = ""
         self.reasoning = ""
 
+    @property
+    def passes_text_through(self) -> bool:
+        """No reasoning to split and no calls to read: the output is the content as it comes."""
+        return self._splitter is None and self._parser is None
+
     def feed(self, text: str) -> list[DeltaMessage]:
         thought, answer = self._splitter.feed(text) if self._splitter is not None else ("", text)
         return self._deltas(thought, answer, final=False)

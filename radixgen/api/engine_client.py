@@ -1,7 +1,8 @@
 """The HTTP process's handle on the engine process: submit, stream, abort, health.
 
-Outputs arrive one message per engine step and are routed to per-request asyncio queues. If
-the engine process dies, every waiting request gets ``EngineDeadError`` (HTTP 503) at once,
+Outputs arrive one message per engine step and are put straight into each request's output
+sink (``engine_handle.OutputSink``). If the engine process dies, every waiting request gets
+``EngineDeadError`` (HTTP 503) at once,
 and new requests are refused with the same error until it is back.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from radixgen.api.engine_handle import OutputSink
 from radixgen.config import EngineConfig
 from radixgen.engine.process import engine_process_main
 from radixgen.engine.request import RequestOutput, SamplingParams
@@ -27,8 +29,8 @@ from radixgen.errors import EngineDeadError, OverloadedError
 
 logger = logging.getLogger(__name__)
 
-_DEAD = object()  # queue sentinel: the engine went away
 _SHUTDOWN_SEND_S = 5.0
+_NO_KEEPALIVE_S = 3600.0
 
 
 class EngineClient:
@@ -40,7 +42,8 @@ class EngineClient:
         self._closing = False
         self.info: dict[str, Any] = {}
         self.dead_reason: str | None = "engine not started"
-        self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._sinks: dict[str, tuple[OutputSink, int]] = {}
+        """Unfinished requests: where their outputs go (sink, tag)."""
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._stats_ids = itertools.count()
         self._process: Any = None
@@ -129,7 +132,7 @@ class EngineClient:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._queues)
+        return len(self._sinks)
 
     @property
     def engine_pid(self) -> int | None:
@@ -141,30 +144,45 @@ class EngineClient:
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, *, stream: bool = True
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs; closing the generator early aborts it in the engine."""
-        if self.dead_reason is not None:
-            raise EngineDeadError(f"the engine is not available: {self.dead_reason}")
-        if len(self._queues) >= self.config.max_queued_requests:
-            raise OverloadedError(
-                f"{len(self._queues)} requests in flight (max_queued_requests={self.config.max_queued_requests})"
-            )
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._queues[request_id] = queue
+        sink = OutputSink()
+        await self._submit(request_id, prompt_ids, params, sink, 0, stream)
         finished = False
         try:
-            await self._to_engine.send_pyobj(("add", (request_id, prompt_ids, params, stream)))
             while not finished:
-                out = await queue.get()
-                if out is _DEAD:
-                    raise EngineDeadError(f"the engine stopped while serving this request: {self.dead_reason}")
-                finished = out.finished
-                yield out
+                for _, out in await sink.take(_NO_KEEPALIVE_S) or ():
+                    if isinstance(out, BaseException):
+                        raise out
+                    finished = out.finished
+                    yield out
         finally:
-            self._queues.pop(request_id, None)
-            if not finished and self.dead_reason is None:
-                with contextlib.suppress(zmq.ZMQError):
-                    await self._to_engine.send_pyobj(("abort", request_id))
+            if not finished:
+                await self.abort(request_id)
+
+    async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: OutputSink,
+                     tag: int) -> None:
+        await self._submit(request_id, prompt_ids, params, sink, tag, True)
+
+    async def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: OutputSink,
+                      tag: int, stream: bool) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine is not available: {self.dead_reason}")
+        if len(self._sinks) >= self.config.max_queued_requests:
+            raise OverloadedError(
+                f"{len(self._sinks)} requests in flight (max_queued_requests={self.config.max_queued_requests})"
+            )
+        if request_id in self._sinks:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._sinks[request_id] = (sink, tag)
+        try:
+            await self._to_engine.send_pyobj(("add", (request_id, prompt_ids, params, stream)))
+        except BaseException:
+            self._sinks.pop(request_id, None)
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        if self._sinks.pop(request_id, None) is not None and self.dead_reason is None:
+            with contextlib.suppress(zmq.ZMQError):
+                await self._to_engine.send_pyobj(("abort", request_id))
 
     async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
         if self.dead_reason is not None:
@@ -184,10 +202,13 @@ class EngineClient:
         while True:
             kind, payload = await self._from_engine.recv_pyobj()
             if kind == "outputs":
+                sinks = self._sinks
                 for out in payload:
-                    queue = self._queues.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
+                    entry = sinks.get(out.request_id)
+                    if entry is not None:
+                        entry[0].put(entry[1], out)
+                        if out.finished:
+                            del sinks[out.request_id]
             elif kind == "stats":
                 key, stats = payload
                 waiter = self._stats_waiters.get(key)
@@ -199,9 +220,11 @@ class EngineClient:
             await asyncio.sleep(0.25)
             if self._process is not None and not self._process.is_alive():
                 self.dead_reason = f"engine process exited (code {self._process.exitcode})"
-                logger.error("%s; failing %d in-flight requests", self.dead_reason, len(self._queues))
-                for queue in self._queues.values():
-                    queue.put_nowait(_DEAD)
+                logger.error("%s; failing %d in-flight requests", self.dead_reason, len(self._sinks))
+                failure = f"the engine stopped while serving this request: {self.dead_reason}"
+                for sink, tag in self._sinks.values():
+                    sink.put(tag, EngineDeadError(failure))
+                self._sinks.clear()
                 for waiter in self._stats_waiters.values():
                     if not waiter.done():
                         waiter.set_exception(EngineDeadError(self.dead_reason))

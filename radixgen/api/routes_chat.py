@@ -159,6 +159,7 @@ async def _chat_stream(request: Request, req: ChatCompletionRequest, tools: Tool
     text_chunk = ('data: {"id":' + json.dumps(base_id) + ',"object":"chat.completion.chunk","created":' + str(created)
                   + ',"model":' + json.dumps(model) + ',"choices":[{"index":')
 
+    plain_text = readers[0].passes_text_through and not tools.legacy
     for i in range(len(jobs)):
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
 
@@ -170,16 +171,22 @@ async def _chat_stream(request: Request, req: ChatCompletionRequest, tools: Tool
             i, out = item
             apply(results[i], out, streamed=True)
             observe_latency(state.metrics, last_token_at, i, out, started)
+            reader = readers[i]
+            if plain_text and not out.finished and not req.logprobs:  # the path of almost every token
+                if out.new_text:
+                    reader.content += out.new_text
+                    yield f'{text_chunk}{i},"delta":{{"content":{json.dumps(out.new_text)}}}}}]}}\n\n'
+                continue
             logprobs = None
             if req.logprobs and out.new_token_ids:
                 part = ChoiceResult(token_ids=out.new_token_ids, logprobs=out.new_logprobs or [],
                                     top_logprobs=out.new_top_logprobs or [])
                 logprobs = token_logprobs(state.tokenizer, part, bool(req.top_logprobs), state.token_bytes)
-            deltas = readers[i].feed(out.new_text)
+            deltas = reader.feed(out.new_text)
             reason = None
             if out.finished:
-                deltas += readers[i].finish()
-                reason = readers[i].result(results[i].finish_reason)[3]
+                deltas += reader.finish()
+                reason = reader.result(results[i].finish_reason)[3]
             if logprobs is not None and not deltas:
                 deltas = [DeltaMessage()]
             if tools.legacy:

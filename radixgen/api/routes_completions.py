@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -117,6 +118,9 @@ async def _completion_stream(request: Request, req: CompletionRequest, jobs: lis
     created = int(time.time())
     results = [ChoiceResult() for _ in jobs]
     last_token_at: list[float | None] = [None] * len(jobs)
+    # a text-only chunk is framed by hand: the JSON sse() gives, without encoding a dict per token
+    text_chunk = ('data: {"id":' + json.dumps(base_id) + ',"object":"text_completion","created":' + str(created)
+                  + ',"model":' + json.dumps(model) + ',"choices":[{"index":')
 
     async def body() -> AsyncGenerator[str, None]:
         async for item in merge_streams(request, jobs):
@@ -126,6 +130,10 @@ async def _completion_stream(request: Request, req: CompletionRequest, jobs: lis
             i, out = item
             apply(results[i], out, streamed=True)
             observe_latency(state.metrics, last_token_at, i, out, started)
+            if not out.finished and req.logprobs is None:  # the path of almost every token
+                if out.new_text:
+                    yield f'{text_chunk}{i},"text":{json.dumps(out.new_text)},"finish_reason":null,"logprobs":null}}]}}\n\n'
+                continue
             if out.new_text or out.finished:
                 yield sse({"id": base_id, "object": "text_completion", "created": created, "model": model,
                             "choices": [{"index": i, "text": out.new_text,

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from typing import Any
 from fastapi import HTTPException, Request
 
 from radixgen.api.drain import Drain
-from radixgen.api.engine_handle import EngineHandle
+from radixgen.api.engine_handle import EngineHandle, OutputSink
 from radixgen.api.protocol import (
     ChoiceLogprobs,
     PromptTokensDetails,
@@ -293,65 +292,36 @@ async def merge_streams(
     request: Request, jobs: list[tuple[str, list[int], SamplingParams]]
 ) -> AsyncIterator[tuple[int, RequestOutput] | None]:
     """Outputs of several requests as they come, tagged with their choice index; None = quiet.
-    Past the server's shutdown deadline the stream ends with ``ShuttingDownError``."""
+    What arrived together goes out together: a choice's queued outputs become one (when the
+    front falls behind the engine, an event costs far more than a token: bench_front.py). Past
+    the server's shutdown deadline the stream ends with ``ShuttingDownError``; leaving early
+    aborts the requests that have not finished."""
     client: EngineHandle = request.app.state.client
-    queue: asyncio.Queue[Any] = asyncio.Queue()
-    done = object()
-
-    async def pump(index: int, rid: str, ids: list[int], params: SamplingParams) -> None:
-        try:
-            async for out in client.generate(rid, ids, params, stream=True):
-                await queue.put((index, out))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer
-            await queue.put(e)
-        finally:
-            await queue.put(done)
-
-    tasks = [asyncio.create_task(pump(i, *job)) for i, job in enumerate(jobs)]
-    remaining = len(tasks)
+    sink = OutputSink()
+    unfinished: dict[int, str] = {}
     try:
+        for index, (rid, ids, params) in enumerate(jobs):
+            await client.submit(rid, ids, params, sink, index)
+            unfinished[index] = rid
         drain: Drain = request.app.state.drain
-        with drain.on_abort(lambda: queue.put_nowait(Drain.error())):
-            while remaining:
-                try:
-                    item = await _get_within(queue, _KEEPALIVE_S)
-                except asyncio.TimeoutError:
+        with drain.on_abort(lambda: sink.put(-1, Drain.error())):
+            while unfinished:
+                batch = await sink.take(_KEEPALIVE_S)
+                if batch is None:
                     yield None
                     continue
-                # what else has arrived meanwhile goes out with it: when the front falls behind
-                # the engine, a choice's pending tokens become one event instead of one event
-                # each (one turn of the loop first lets outputs already received reach this
-                # queue; an event costs far more than a token, bench_front.py)
-                await asyncio.sleep(0)
-                batch = [item]
-                while not queue.empty():
-                    batch.append(queue.get_nowait())
                 pending: dict[int, RequestOutput] = {}
-                for got in batch:
-                    if got is done:
-                        remaining -= 1
-                    elif isinstance(got, Exception):
+                for index, got in batch:
+                    if isinstance(got, BaseException):
                         raise got
-                    else:
-                        index, out = got
-                        pending[index] = coalesce(pending[index], out) if index in pending else out
+                    pending[index] = coalesce(pending[index], got) if index in pending else got
+                    if got.finished:
+                        unfinished.pop(index, None)
                 for index, out in pending.items():
                     yield index, out
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _get_within(queue: asyncio.Queue[Any], seconds: float) -> Any:
-    """``queue.get()`` with a timeout; a ready item is taken at once (wait_for wraps every get
-    in a new task: a third of merge_streams' cost per token in bench_front.py)."""
-    if not queue.empty():
-        return queue.get_nowait()
-    if sys.version_info >= (3, 11):
-        async with asyncio.timeout(seconds):
-            return await queue.get()
-    return await asyncio.wait_for(queue.get(), timeout=seconds)  # pragma: no cover - Python 3.10
+        for rid in unfinished.values():
+            await client.abort(rid)
 
 
 def coalesce(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
+from radixgen.api.engine_handle import OutputSink, pump_into
 from radixgen.cluster.routing import UNAVAILABLE, Router, make_router
 from radixgen.config import EngineConfig, ServerConfig
 from radixgen.engine.request import RequestOutput, SamplingParams
@@ -106,6 +107,7 @@ class ClusterClient:
         self.dead_reason: str | None = "replicas not started"
         self._probe: asyncio.Task[None] | None = None
         self.num_restarts = 0
+        self._pumps: dict[str, asyncio.Task[None]] = {}
 
     async def start(self, timeout: float = 600.0) -> None:
         infos = await asyncio.wait_for(asyncio.gather(*(h.info.remote() for h in self.handles)), timeout)
@@ -136,6 +138,16 @@ class ClusterClient:
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, *, stream: bool = True
     ) -> AsyncIterator[RequestOutput]:
+        replica = self._route(prompt_ids)
+        try:
+            async for out in self._outputs(replica, request_id, prompt_ids, params, stream):
+                yield out
+        finally:
+            self.in_flight[replica] -= 1
+
+    def _route(self, prompt_ids: list[int]) -> int:
+        """The replica that serves a new request (counted in flight there until the caller says it
+        ended); raises when none may."""
         if not self.is_healthy:
             raise EngineDeadError("no engine replica is available: " + "; ".join(self.down.values()))
         if self.num_in_flight >= self.config.max_queued_requests * len(self.handles):
@@ -143,6 +155,10 @@ class ClusterClient:
         replica = self.router.choose(prompt_ids, self._loads())
         self.in_flight[replica] += 1
         self.routed[replica] += 1
+        return replica
+
+    async def _outputs(self, replica: int, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       stream: bool) -> AsyncIterator[RequestOutput]:
         finished = False
         responses = self.handles[replica].options(stream=True).generate.remote(request_id, prompt_ids, params, stream)
         try:
@@ -155,12 +171,30 @@ class ClusterClient:
             self._mark_down(replica, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             raise EngineDeadError(f"engine replica {replica} failed while serving this request; retry") from None
         finally:
-            self.in_flight[replica] -= 1
             if not finished:
                 responses.cancel()
                 if replica not in self.down:  # the client went away: free the replica's slots now
                     with contextlib.suppress(Exception):
                         self.handles[replica].abort.remote(request_id)
+
+    async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: OutputSink,
+                     tag: int) -> None:
+        if request_id in self._pumps:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        replica = self._route(prompt_ids)  # a refusal raises here, as submit promises
+        task = asyncio.create_task(pump_into(sink, tag, self._outputs(replica, request_id, prompt_ids, params, True)))
+        self._pumps[request_id] = task
+
+        def ended(_: asyncio.Task[None]) -> None:  # also when cancelled before it ran
+            self._pumps.pop(request_id, None)
+            self.in_flight[replica] -= 1
+
+        task.add_done_callback(ended)
+
+    async def abort(self, request_id: str) -> None:
+        task = self._pumps.pop(request_id, None)
+        if task is not None:
+            task.cancel()  # closes the replica's stream, which aborts the request there
 
     def _mark_down(self, replica: int, reason: str) -> None:
         if replica not in self.down:

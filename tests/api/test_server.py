@@ -72,6 +72,32 @@ def test_completions_list_prompt_and_stream(server: LiveServer) -> None:
     assert streamed == resp.choices[0].text
 
 
+def _sse_events(server: LiveServer, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=60) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+    return [json.loads(line[len("data: "):]) for line in lines]
+
+
+def test_text_events_framed_by_hand_have_the_shape_of_the_generic_ones(server: LiveServer) -> None:
+    """Text-only stream events are written without building models; each must carry the same
+    fields, in the same layout, as the events built the generic way (the first and the last)."""
+    common = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    for path, body, text_field in (("/v1/completions", {"prompt": "Once upon"}, "text"),
+                                   ("/v1/chat/completions", {"messages": CHAT}, "delta")):
+        events = _sse_events(server, path, {**common, **body})
+        ends = [e for e in events if e["choices"] and e["choices"][0].get("finish_reason")]
+        texts = [e for e in events if e["choices"] and not e["choices"][0].get("finish_reason")
+                 and (e["choices"][0].get("text") or e["choices"][0].get("delta", {}).get("content"))]
+        assert len(ends) == 1 and texts, path
+        for event in texts:
+            assert list(event) == list(ends[0]), path
+            assert event["id"] == ends[0]["id"] and event["created"] == ends[0]["created"]
+            choice = event["choices"][0]
+            assert list(choice)[:2] == ["index", text_field] and choice["index"] == 0
+        if path == "/v1/completions":  # every field OpenAI's completion chunk has, null where unset
+            assert all(list(e["choices"][0]) == ["index", "text", "finish_reason", "logprobs"] for e in texts)
+
+
 def test_n_seed_and_stop(server: LiveServer) -> None:
     c = client(server)
     kw = dict(model="tiny", messages=CHAT, max_tokens=10, temperature=1.0, seed=123, extra_body={"ignore_eos": True})
