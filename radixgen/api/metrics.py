@@ -40,6 +40,9 @@ class ServerMetrics:
                 "engine_steps": "Engine steps so far",
                 "retractions": "Requests retracted under KV pressure so far",
                 "shortened_requests": "Constrained requests steered to close early to finish within max_tokens",
+                "spec_drafted_tokens": "Tokens speculative decoding drafted so far",
+                "spec_accepted_tokens": "Drafted tokens that became output so far",
+                "spec_acceptance_rate": "Share of drafted tokens that became output",
             }.items()
         }
 
@@ -59,6 +62,8 @@ class ServerMetrics:
                 "forward_seconds_per_step": s.get("forward_time_s", 0) / steps,
                 "engine_steps": s.get("num_steps", 0), "retractions": s.get("num_retractions", 0),
                 "shortened_requests": s.get("num_shortened", 0),
+                "spec_drafted_tokens": s.get("drafted_tokens", 0), "spec_accepted_tokens": s.get("accepted_tokens", 0),
+                "spec_acceptance_rate": s.get("accepted_tokens", 0) / s["drafted_tokens"] if s.get("drafted_tokens") else 0,
             }
             for name, value in values.items():
                 self._engine[name].set(value)

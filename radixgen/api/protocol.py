@@ -81,6 +81,8 @@ class SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(default=0, ge=0)
     """vLLM's and SGLang's field: EOS and stop token ids are masked until this many tokens."""
+    speculative: bool | None = None
+    """Override the server's n-gram speculation for this request (greedy requests only)."""
     # Accepted and ignored: they do not change a text model's output (OpenAI's own fields for
     # storage, tracking, billing tiers, and options of models this server does not run).
     user: str | None = None

@@ -120,6 +120,7 @@ def build_params(req: SamplingFields, prompt_len: int, engine_info: dict[str, An
         ignore_eos=req.ignore_eos,
         logit_bias=bias,
         min_new_tokens=req.min_tokens,
+        speculative=req.speculative,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         **(constraint or {}),

@@ -47,6 +47,9 @@ class StepPlan:
     verify_counts: np.ndarray | None = None
     """[B] prefill only: how many forced tokens at the end of each request's extend need the
     logits of the positions before them (jump-forward verification)."""
+    draft_lens: np.ndarray | None = None
+    """[B] speculative steps only: how many draft tokens follow each request's newest token in
+    its extend (0 for the rows that decode one token); their logits come as ``verify_counts``."""
     prompt_scoring: PromptScoring | None = None
     batch_version: int | None = None
     """Decode only: equal versions mean the same requests in the same order as before."""

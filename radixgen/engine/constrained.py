@@ -26,12 +26,15 @@ from radixgen.constraints.mask import ALL_ALLOWED, ban_tokens
 from radixgen.constraints.spec import ConstraintSpec
 from radixgen.engine.batch import StepPlan
 from radixgen.engine.request import Request
+from radixgen.engine.speculative import Verdict, verify
 from radixgen.engine.steering import BudgetSteering
 from radixgen.errors import InvalidParamsError
 
 logger = logging.getLogger(__name__)
 
 _SHORTEST_CACHE_SIZE = 1024
+_DEAD_END = ("the constraint reached a state that no token of this model can continue (it may need "
+             "characters the tokenizer cannot produce): simplify the constraint")
 
 
 def _logprobs_of(logits: torch.Tensor, token_id: int, top: int) -> tuple[float, list[tuple[int, float]]]:
@@ -147,9 +150,12 @@ class ConstrainedDecoding:
             if not mask[i].any():  # nothing may follow: whatever is sampled will be rejected
                 req.dead_end = (
                     "the validators rejected every token that could continue the output here" if banned else
-                    "the constraint reached a state that no token of this model can continue (it may need "
-                    "characters the tokenizer cannot produce): simplify the constraint")
+                    _DEAD_END)
         return torch.from_numpy(mask).to(self.device)
+
+    def verify_drafts(self, plan: StepPlan, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, Verdict]]:
+        """Speculative rows' drafts checked position by position (engine/speculative.py)."""
+        return verify(plan, logits, self._bitmask[:1], _DEAD_END)
 
     def verify_forced(self, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
         """Check jump-forward's forced tokens against the model's greedy choice under the mask,

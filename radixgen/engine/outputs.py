@@ -210,19 +210,20 @@ class OutputProcessor:
         if req.budget is not None:
             req.budget.reset(detok.text)
 
-    def emit(self, req: Request, *, final: bool, has_new_token: bool) -> RequestOutput | None:
-        """Hand a delta to the request's callback; non-streaming requests only get the end, and
-        so do requests with validators (a rollback could take back text already sent)."""
+    def emit(self, req: Request, *, final: bool) -> RequestOutput | None:
+        """Hand a delta to the request's callback (the tokens appended since the last one);
+        non-streaming requests only get the end, and so do requests with validators (a rollback
+        could take back text already sent)."""
         if not final:
             if not req.stream or req.on_output is None or req.validation is not None:
                 return None
-            return self._emit_delta(req, has_new_token)
+            return self._emit_delta(req)
         detok = self.detokenizers[req.request_id]
         out = RequestOutput(  # the final output
             request_id=req.request_id,
             new_text=detok.take_delta(True) if self.tokenizer is not None else "",
             new_token_ids=req.output_ids if req.validation is not None and req.stream else (
-                req.output_ids[-1:] if has_new_token else []),
+                req.output_ids[req.num_emitted:]),
             finished=True,
             finish_reason=req.finish_reason,
             error=req.error,
@@ -230,8 +231,8 @@ class OutputProcessor:
             prompt_tokens=req.prompt_len,
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
-            new_logprobs=req.output_logprobs[-1:] if has_new_token and req.params.logprobs else None,
-            new_top_logprobs=req.output_top_logprobs[-1:] if has_new_token and req.params.top_logprobs else None,
+            new_logprobs=req.output_logprobs[req.num_emitted:] if req.params.logprobs else None,
+            new_top_logprobs=req.output_top_logprobs[req.num_emitted:] if req.params.top_logprobs else None,
             output_ids=list(req.output_ids),
             prompt_logprobs=req.prompt_logprobs.tolist() if req.prompt_logprobs is not None else None,
             text=detok.text,
@@ -241,16 +242,18 @@ class OutputProcessor:
             req.on_output(out)
         return out
 
-    def _emit_delta(self, req: Request, has_new_token: bool) -> RequestOutput:
+    def _emit_delta(self, req: Request) -> RequestOutput:
         """``emit`` of a streamed step's delta: the path every running request takes each step."""
         params = req.params
+        since = req.num_emitted
+        req.num_emitted = len(req.output_ids)
         out = RequestOutput(
             req.request_id,
-            req.output_ids[-1:] if has_new_token else [],
+            req.output_ids[since:],
             self.detokenizers[req.request_id].take_delta(False) if self.tokenizer is not None else "",
             False, None, req.error, req.user_error, req.prompt_len, len(req.output_ids), req.cached_tokens,
-            req.output_logprobs[-1:] if has_new_token and params.logprobs else None,
-            req.output_top_logprobs[-1:] if has_new_token and params.top_logprobs else None,
+            req.output_logprobs[since:] if params.logprobs else None,
+            req.output_top_logprobs[since:] if params.top_logprobs else None,
         )
         assert req.on_output is not None
         req.on_output(out)

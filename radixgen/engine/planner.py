@@ -24,6 +24,7 @@ from radixgen.config import EngineConfig
 from radixgen.engine.batch import PromptScoring, StepKind, StepPlan
 from radixgen.engine.kv_cache import KVCacheManager
 from radixgen.engine.request import Request, RequestStatus
+from radixgen.engine.speculative import NgramDrafter
 from radixgen.engine.stats import SchedulerStats, StepLog
 
 logger = logging.getLogger(__name__)
@@ -151,6 +152,7 @@ class BatchPlanner:
         """The request whose prompt is part-way through chunked prefill (holds KV, not running)."""
         self.reserve = DecodeReserve(kv.pool.max_context_len)
         self._decode_turn = False
+        self.drafter = NgramDrafter(config, kv.pool.max_context_len)  # requests may ask for it when off
 
     # ---- the sets -----------------------------------------------------------------------
 
@@ -191,7 +193,7 @@ class BatchPlanner:
                 plan = self._with_decode_rows(plan)
         if plan is None and self.running:
             plan = self._schedule_decode()
-        if plan is not None and (plan.kind is StepKind.DECODE or plan.num_decode):
+        if plan is not None and (plan.kind is StepKind.DECODE or plan.num_decode or plan.draft_lens is not None):
             self.reserve.decode_step()  # the running requests decode in this step, mixed or not
         return plan
 
@@ -345,6 +347,10 @@ class BatchPlanner:
         while self.kv.short_of(len(self.running)) and len(self.running) > 1:
             self._retract(next(reversed(self.running)))
         need = len(self.running)
+        if self.drafter.active:
+            plan = self._schedule_speculative()
+            if plan is not None:
+                return plan
         slots = self._alloc_slots(need)
         if slots is None:
             # One request alone has filled the whole pool: it cannot grow any further.
@@ -366,6 +372,40 @@ class BatchPlanner:
             kind=StepKind.DECODE, requests=reqs, rows=rows, prefix_lens=positions,
             extend_lens=np.ones(batch, dtype=np.int64), input_ids=input_ids, positions=positions,
             out_cache_loc=slots, batch_version=self.running_version,
+        )
+
+    def _schedule_speculative(self) -> StepPlan | None:
+        """A decode step in which the requests that drafted tokens feed them after their newest
+        token, as extends (their rows first, the others decoding one token after them); None
+        when no request drafted or the pool has no room for the drafts."""
+        reqs = list(self.running)
+        drafts = self.drafter.draft(reqs)
+        if not drafts:
+            return None
+        extra = sum(len(d) for d in drafts.values())
+        if self.kv.short_of(len(reqs) + extra):
+            for req in drafts:
+                self.drafter.record(req, 0, 0)
+            return None
+        spec = [r for r in reqs if r in drafts]
+        plain = [r for r in reqs if r not in drafts]
+        ordered = spec + plain
+        draft_lens = np.array([len(drafts[r]) for r in spec] + [0] * len(plain), dtype=np.int64)
+        extend_lens = draft_lens + 1
+        prefix_lens = np.fromiter((r.seq_len - 1 for r in ordered), dtype=np.int64, count=len(ordered))
+        input_ids = np.fromiter((t for r in ordered for t in (r.output_ids[-1], *drafts.get(r, ()))), dtype=np.int64,
+                                count=int(extend_lens.sum()))
+        positions = np.concatenate([np.arange(p, p + n) for p, n in zip(prefix_lens, extend_lens, strict=True)])
+        rows = np.fromiter((r.pool_row for r in ordered), dtype=np.int64, count=len(ordered))
+        slots = self._alloc_slots(len(input_ids))
+        assert slots is not None, "room was checked"
+        self.kv.write(np.repeat(rows, extend_lens), positions, slots)
+        self._decode_arrays = None  # positions moved by more than one
+        self.log.current.new_tokens = len(input_ids)
+        return StepPlan(
+            kind=StepKind.PREFILL, requests=ordered, rows=rows, prefix_lens=prefix_lens, extend_lens=extend_lens,
+            input_ids=input_ids, positions=positions, out_cache_loc=slots,
+            sample_mask=draft_lens == 0, verify_counts=draft_lens, draft_lens=draft_lens, num_decode=len(plain),
         )
 
     def _alloc_slots(self, n: int) -> np.ndarray | None:

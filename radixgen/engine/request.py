@@ -24,6 +24,7 @@ from radixgen.constraints.structural import structural_spec
 from radixgen.errors import InvalidParamsError
 
 if TYPE_CHECKING:
+    from radixgen.engine.speculative import DraftState
     from radixgen.engine.steering import BudgetState
 
 MAX_TOP_LOGPROBS = 20
@@ -96,6 +97,9 @@ class SamplingParams:
     min_new_tokens: int = 0
     """EOS and the stop token ids are masked until this many tokens were generated (vLLM's and
     SGLang's min_tokens). A constrained output ends when its automaton does, regardless."""
+    speculative: bool | None = None
+    """Draft and verify n-gram continuations for this request (greedy requests only): None
+    follows the engine's ``speculative`` setting, True or False overrides it."""
     prompt_logprob_start: int | None = None
     """Score the prompt too: return the log-probability of each prompt token from this index on,
     given the tokens before it (the DSL's ``select`` ranks choices with it). The prefix cache
@@ -144,6 +148,8 @@ class SamplingParams:
     def validate(self) -> None:
         for flag in ("ignore_eos", "logprobs", "skip_special_tokens", "json_object"):
             _check(isinstance(getattr(self, flag), bool), flag, "true or false", getattr(self, flag))
+        _check(self.speculative is None or isinstance(self.speculative, bool), "speculative", "true, false or null",
+               self.speculative)
         _check(self.regex is None or isinstance(self.regex, str), "regex", "a string", self.regex)
         _check(self.choices is None or all(isinstance(c, str) for c in self.choices), "choices", "strings",
                self.choices)
@@ -284,6 +290,10 @@ class Request:
     """[prompt_len - prompt_logprob_start] float32, filled as prefill computes the positions."""
     budget: BudgetState | None = None
     """Budget steering's state for a constrained request (engine/steering.py)."""
+    num_emitted: int = 0
+    """Output tokens already handed to ``on_output`` (a step may append several)."""
+    speculation: DraftState | None = None
+    """N-gram drafting state when the engine speculates for this request (engine/speculative.py)."""
     sample_override: tuple[float, list[tuple[int, float]]] | None = None
     """Log-probability and top log-probabilities of a token that replaced this step's sample (the
     model's own choice found by jump-forward verification), recorded instead of the sample's."""

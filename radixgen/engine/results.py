@@ -17,6 +17,7 @@ from radixgen.engine.outputs import OutputProcessor
 from radixgen.engine.planner import BatchPlanner
 from radixgen.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from radixgen.engine.sampler import SampleResult
+from radixgen.engine.speculative import Verdict
 from radixgen.engine.stats import SchedulerStats, StepLog
 
 logger = logging.getLogger(__name__)
@@ -33,9 +34,13 @@ class ResultProcessor:
         self.log = log
         self.requests = requests
         """Every request the scheduler holds (shared with it); a finished one leaves it here."""
+        self.speculated_tokens = 0
+        """Tokens the speculative rows of the current step appended."""
 
-    def process_results(self, plan: StepPlan, result: SampleResult, forward_s: float = 0.0) -> list[RequestOutput]:
-        """Apply a step's sampled tokens; return the outputs handed to callbacks (finals always)."""
+    def process_results(self, plan: StepPlan, result: SampleResult, forward_s: float = 0.0,
+                        verdicts: dict[int, Verdict] | None = None) -> list[RequestOutput]:
+        """Apply a step's sampled tokens (and a speculative step's verdicts); return the outputs
+        handed to callbacks (finals always)."""
         outputs: list[RequestOutput] = []
         token_ids = result.token_ids.tolist()
         allow_jump = len(self.planner.running) <= self.config.jump_forward_max_batch
@@ -44,7 +49,10 @@ class ResultProcessor:
         for i, req in enumerate(plan.requests):
             req.num_computed += extend_lens[i]
             try:
-                out = self._apply_result(req, plan, i, token_ids, result, num_prefill, allow_jump)
+                if verdicts is not None and i in verdicts:
+                    out = self._apply_verdict(req, plan, i, result, verdicts[i], allow_jump)
+                else:
+                    out = self._apply_result(req, plan, i, token_ids, result, num_prefill, allow_jump)
             except Exception as e:  # noqa: BLE001 - one request's fault (user code, a bug) ends it alone
                 logger.exception("applying the step's result to %s failed", req.request_id)
                 out = self._fail_request(req, f"internal error: {type(e).__name__}: {e}")
@@ -56,6 +64,12 @@ class ResultProcessor:
         step.kind = "mixed" if plan.num_decode else plan.kind.value
         step.batch_size = plan.batch_size
         step.decode_rows = plan.batch_size - num_prefill
+        if plan.draft_lens is not None:  # a decode step whose rows carried drafts
+            step.kind, step.decode_rows = "decode", plan.batch_size
+            step.drafted_tokens = int(plan.draft_lens.sum())
+            step.accepted_tokens = sum(len(v.accepted) for v in (verdicts or {}).values())
+            self.stats.generated_tokens += self.speculated_tokens
+            self.speculated_tokens = 0
         step.forward_s = forward_s
         self.stats.record(step, queue_depth=len(self.planner.waiting), running=len(self.planner.running),
                           kv_used=self.kv.used(), cached=self.kv.cached_tokens())
@@ -70,11 +84,47 @@ class ResultProcessor:
             return self._rollback(req)
         if reason is not None:
             self.planner.remove_running(req)
-            return self.finish(req, reason, has_new_token=True)
+            return self.finish(req, reason)
         if req.pending_extend:
             self._requeue_for_extend(req)
             return None
-        return self.outputs.emit(req, final=False, has_new_token=True)
+        return self.outputs.emit(req, final=False)
+
+    def _apply_verdict(self, req: Request, plan: StepPlan, i: int, result: SampleResult, verdict: Verdict,
+                       allow_jump: bool) -> RequestOutput | None:
+        """A speculative row: its accepted drafts and the model's token after them are appended
+        one by one, the ordinary way (the automaton, stops, steering and text see each); the
+        slots of drafts that did not become output are freed."""
+        state = req.speculation
+        assert state is not None
+        fed = state.draft
+        newest_position = int(plan.prefix_lens[i])  # where the request's newest token stood
+        start = len(req.output_ids)
+        tokens = [*verdict.accepted, verdict.next_token]
+        reason = None
+        for j, token in enumerate(tokens):
+            last = j == len(tokens) - 1
+            reason = self.outputs.append_token(req, token, result, i, allow_jump=allow_jump and last)
+            if reason is not None or req.pending_rollback is not None:
+                break
+            if not last and (len(req.output_ids) != start + j + 1 or req.output_ids[-1] != token):
+                break  # steering put other tokens in its place: the rest of the draft no longer follows
+        self.planner.drafter.record(req, len(fed), len(verdict.accepted))
+        appended = req.output_ids[start:]
+        valid = 0  # drafts whose K/V this step computed and that are now output
+        while valid < min(len(appended), len(fed)) and appended[valid] == fed[valid]:
+            valid += 1
+        self.kv.truncate(req, min(newest_position + 1 + valid, req.seq_len - 1))
+        self.speculated_tokens += len(appended)
+        if req.pending_rollback is not None:
+            return self._rollback(req)
+        if reason is not None:
+            self.planner.remove_running(req)
+            return self.finish(req, reason)
+        if req.pending_extend:
+            self._requeue_for_extend(req)
+            return None
+        return self.outputs.emit(req, final=False)
 
     def _fail_request(self, req: Request, error: str) -> RequestOutput | None:
         if req.is_finished or req.request_id not in self.requests:
@@ -111,6 +161,7 @@ class ResultProcessor:
         del req.output_ids[keep:]
         del req.output_logprobs[keep:]
         del req.output_top_logprobs[keep:]
+        req.num_emitted = min(req.num_emitted, keep)
         self.outputs.rewind(req, keep)
 
     def _requeue_for_extend(self, req: Request) -> None:
@@ -152,14 +203,14 @@ class ResultProcessor:
         return None
 
     def finish(
-        self, req: Request, reason: FinishReason, *, error: str | None = None, has_new_token: bool = False
+        self, req: Request, reason: FinishReason, *, error: str | None = None
     ) -> RequestOutput:
         # A failed step may have left garbage in its slots: do not cache them then.
         self.kv.release(req, cache=reason is not FinishReason.ERROR)
         req.status = RequestStatus.ABORTED if reason in (FinishReason.ABORT, FinishReason.ERROR) else RequestStatus.FINISHED
         req.finish_reason = reason
         req.error = error or req.error
-        out = self.outputs.emit(req, final=True, has_new_token=has_new_token)
+        out = self.outputs.emit(req, final=True)
         assert out is not None, "a final output is always emitted"
         self.stats.num_shortened += out.shortened
         self.outputs.remove(req)

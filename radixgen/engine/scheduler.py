@@ -25,6 +25,7 @@ from radixgen.engine.planner import BatchPlanner
 from radixgen.engine.request import FinishReason, Request, RequestOutput
 from radixgen.engine.results import ResultProcessor
 from radixgen.engine.sampler import SampleResult
+from radixgen.engine.speculative import Verdict
 from radixgen.engine.stats import SchedulerStats, StepLog
 from radixgen.engine.steering import BudgetSteering
 from radixgen.radix import RadixTree
@@ -61,6 +62,8 @@ class Scheduler:
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
         self.requests[req.request_id] = req
         self.outputs.add(req)
+        if req.params.speculative:
+            self.planner.drafter.requested = True
         self.planner.waiting.append(req)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> bool:
@@ -84,9 +87,11 @@ class Scheduler:
         self._log.current.schedule_s = time.perf_counter() - start
         return plan
 
-    def process_results(self, plan: StepPlan, result: SampleResult, forward_s: float = 0.0) -> list[RequestOutput]:
-        """Apply a step's sampled tokens; return the outputs handed to callbacks (finals always)."""
-        return self.results.process_results(plan, result, forward_s)
+    def process_results(self, plan: StepPlan, result: SampleResult, forward_s: float = 0.0,
+                        verdicts: dict[int, Verdict] | None = None) -> list[RequestOutput]:
+        """Apply a step's sampled tokens (and a speculative step's verdicts); return the outputs
+        handed to callbacks (finals always)."""
+        return self.results.process_results(plan, result, forward_s, verdicts)
 
     def fail_step(self, plan: StepPlan, error: str) -> None:
         """An internal fault during the step: end its requests with an error, keep serving."""

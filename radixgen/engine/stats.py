@@ -25,6 +25,8 @@ class StepRecord:
     jump_forwards: int = 0
     schedule_s: float = 0.0
     forward_s: float = 0.0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class StepLog:
@@ -54,6 +56,10 @@ class SchedulerStats:
         self.num_repeat_retractions = 0
         self.num_rollbacks = 0
         self.num_jump_forwards = 0
+        self.drafted_tokens = 0
+        """Tokens speculative decoding drafted (and verified in a decode step)."""
+        self.accepted_tokens = 0
+        """Drafted tokens that became output."""
         self.num_shortened = 0
         """Constrained requests that budget steering closed early so they finished in budget."""
         self.schedule_time_s = 0.0
@@ -91,6 +97,8 @@ class SchedulerStats:
         self.num_repeat_retractions += step.retracted_again
         self.num_rollbacks += step.rollbacks
         self.num_jump_forwards += step.jump_forwards
+        self.drafted_tokens += step.drafted_tokens
+        self.accepted_tokens += step.accepted_tokens
         self.schedule_time_s += step.schedule_s
         self.forward_time_s += step.forward_s
         self.queue_depth, self.running, self.kv_used, self.cached_tokens = queue_depth, running, kv_used, cached
@@ -102,7 +110,7 @@ class SchedulerStats:
     def snapshot(self) -> dict[str, float]:
         keys = ("num_steps", "num_prefill_steps", "num_decode_steps", "prompt_tokens", "cached_prompt_tokens",
                 "computed_tokens", "generated_tokens", "evicted_tokens", "num_retractions", "num_repeat_retractions",
-                "num_rollbacks", "num_jump_forwards", "num_shortened", "schedule_time_s",
+                "num_rollbacks", "num_jump_forwards", "drafted_tokens", "accepted_tokens", "num_shortened", "schedule_time_s",
                 "forward_time_s", "queue_depth", "running", "kv_used", "cached_tokens")
         out: dict[str, float] = {k: getattr(self, k) for k in keys}
         out |= {"cache_hit_rate": self.cache_hit_rate, "avg_batch_size": self.avg_batch_size,

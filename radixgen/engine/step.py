@@ -44,14 +44,17 @@ class StepPipeline:
                 if plan.prompt_scoring is not None:
                     logits, scores = split_prompt_scores(plan, logits)
                     _record_prompt_scores(plan, scores)
-                if plan.verify_counts is not None:
+                verdicts = None
+                if plan.draft_lens is not None:
+                    logits, verdicts = self.constraints.verify_drafts(plan, logits)
+                elif plan.verify_counts is not None:
                     logits = self.constraints.verify_forced(plan, logits)
                 result = self.sampler(logits, self.sampling_batches.get(plan), self.constraints.bitmask(plan))
         except Exception as e:  # an internal fault fails this step's requests, not the engine
             logger.exception("step failed")
             self.scheduler.fail_step(plan, f"internal error: {type(e).__name__}: {e}")
             return
-        self.scheduler.process_results(plan, result, forward_s=time.perf_counter() - start)
+        self.scheduler.process_results(plan, result, forward_s=time.perf_counter() - start, verdicts=verdicts)
         replaced = self.scheduler.outputs.replaced_samples
         for req in replaced:  # their sampled token was not the one kept: recount from the output
             if req.params.has_penalties and req.pool_row >= 0:

@@ -1,0 +1,135 @@
+"""N-gram speculative decoding: the drafts, and outputs token for token those without it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from radixgen import Engine, SamplingParams
+from radixgen.engine.speculative import NgramIndex
+
+# prompts the tiny model continues with runs of repeated tokens (so drafts are accepted) and
+# with turns (so some are rejected)
+PROMPTS: list[Any] = [list(range(5, 40)) * 3, [7, 8, 9, 10] * 10, list(range(100, 180)), [3, 4] * 20,
+                      "The quick brown fox jumps over the lazy dog. The quick brown"]
+
+
+def greedy(n: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def test_the_index_finds_the_latest_earlier_occurrence_of_the_longest_suffix() -> None:
+    index = NgramIndex(max_n=3)
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 2, 3]
+    index.update(tokens)
+    # suffix (2, 3): its latest earlier occurrence is followed by 7, 8, ...
+    assert index.propose(tokens, 3) == [7, 8, 2]
+    tokens += [7]  # suffix (2, 3, 7) occurred once, before 8
+    index.update(tokens)
+    assert index.propose(tokens, 2) == [8, 2]
+    assert index.propose([5, 6, 42], 4) == []  # a suffix never seen before drafts nothing
+    lone = NgramIndex(max_n=3)
+    lone.update([4, 5, 6])
+    assert lone.propose([4, 5, 6], 3) == [], "the suffix itself is not an earlier occurrence"
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_greedy_outputs_equal_those_without_speculation_alone_and_batched(
+        make_engine: Callable[..., Engine], cache: bool) -> None:
+    plain = make_engine(disable_radix_cache=not cache)
+    spec = make_engine(disable_radix_cache=not cache, speculative="ngram")
+    lengths = [40, 64, 23, 50, 31]
+    expected = [o.token_ids for o in plain.generate(PROMPTS, [greedy(n) for n in lengths])]
+    batched = [o.token_ids for o in spec.generate(PROMPTS, [greedy(n) for n in lengths])]
+    stats = spec.scheduler.stats
+    # fewer decode steps for the same tokens: accepted drafts became output without a step each
+    assert stats.num_decode_steps < plain.scheduler.stats.num_decode_steps, stats.snapshot()
+    alone = [spec.generate(p, greedy(n)).token_ids for p, n in zip(PROMPTS, lengths, strict=True)]
+    assert batched == expected and alone == expected
+    assert stats.accepted_tokens > 0 and stats.drafted_tokens >= stats.accepted_tokens, stats.snapshot()
+
+
+def test_speculation_under_retraction_keeps_outputs_and_the_pool_balanced(make_engine: Callable[..., Engine]) -> None:
+    roomy = make_engine()
+    expected = [o.token_ids for o in roomy.generate(PROMPTS * 2, greedy(60))]
+    tight = make_engine(kv_cache_tokens=420, speculative="ngram")
+    assert [o.token_ids for o in tight.generate(PROMPTS * 2, greedy(60))] == expected
+    stats = tight.scheduler.stats
+    assert stats.num_retractions > 0 and stats.accepted_tokens > 0, stats.snapshot()
+    # make_engine checks on teardown that no slot leaked and the pool accounting balances
+
+
+def test_constrained_outputs_equal_and_valid_with_speculation(make_engine: Callable[..., Engine]) -> None:
+    plain = make_engine()
+    spec = make_engine(speculative="ngram")
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 12},
+                                               "b": {"type": "array", "items": {"type": "integer"}, "maxItems": 4}},
+              "required": ["a", "b"]}
+    params = [greedy(80, json_schema=schema), greedy(40, regex=r"(ab|cd){3,8}x"), greedy(40, regex=r"[a-c]{5,20}")]
+    prompts = ["Give a record:", "Pattern:", "Letters:"]
+    expected = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert all(o.finish_reason.value == "stop" for o in got), [o.finish_reason for o in got]
+    assert spec.scheduler.stats.drafted_tokens > 0, "the constrained requests drafted"
+
+
+def test_a_request_overrides_the_engine_setting_either_way(make_engine: Callable[..., Engine]) -> None:
+    off = make_engine()
+    expected = off.generate(PROMPTS[1], greedy(48)).token_ids
+    assert off.scheduler.stats.drafted_tokens == 0
+    assert off.generate(PROMPTS[1], greedy(48, speculative=True)).token_ids == expected
+    assert off.scheduler.stats.accepted_tokens > 0
+    on = make_engine(speculative="ngram")
+    assert on.generate(PROMPTS[1], greedy(48, speculative=False)).token_ids == expected
+    assert on.scheduler.stats.drafted_tokens == 0
+    with pytest.raises(ValueError, match="speculative"):
+        greedy(4, speculative="yes")
+
+
+def test_streamed_deltas_add_up_to_the_output_when_a_step_appends_several_tokens(
+        make_engine: Callable[..., Engine]) -> None:
+    spec = make_engine(speculative="ngram")
+
+    async def stream() -> tuple[list[int], list[int], str, str]:
+        ids: list[int] = []
+        text = ""
+        final = None
+        async for out in spec.generate_stream([7, 8, 9, 10] * 10, greedy(48)):
+            ids += out.new_token_ids
+            text += out.new_text
+            final = out
+        assert final is not None and final.output_ids is not None and final.text is not None
+        return ids, final.output_ids, text, final.text
+
+    ids, output_ids, text, whole = asyncio.run(stream())
+    assert ids == output_ids and len(ids) == 48 and text == whole
+    assert spec.scheduler.stats.accepted_tokens > 0
+
+
+@pytest.mark.real_model
+def test_the_bundled_model_gives_the_same_chat_json_and_regex_outputs(
+        make_engine: Callable[..., Engine], real_engine: Engine) -> None:
+    text = ("Jonas Berg, 35, is a nurse at the central hospital in Oslo. He moved there from Bergen in 2015 "
+            "and lives with his wife Ingrid near the harbour.")
+    chat = real_engine.apply_chat_template
+    prompts = [chat([{"role": "user", "content": "Repeat this text exactly, word for word:\n" + text}]),
+               chat([{"role": "user", "content": "Extract the person as JSON with name, age, city and job.\nText: " + text}]),
+               chat([{"role": "user", "content": "Give the name and the age in the text as 'Name, age'.\nText: " + text}])]
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                               "city": {"type": "string"}, "job": {"type": "string"}},
+              "required": ["name", "age", "city", "job"]}
+    params = [SamplingParams(max_new_tokens=64, temperature=0.0),
+              SamplingParams(max_new_tokens=64, temperature=0.0, json_schema=schema),
+              SamplingParams(max_new_tokens=24, temperature=0.0, regex=r"[A-Z][a-z]+ [A-Z][a-z]+, [0-9]{1,3}")]
+    expected = [o.token_ids for o in real_engine.generate(prompts, params)]
+    spec = make_engine(model=str(real_engine.model_path), kv_cache_tokens=16384, max_context_len=2048,
+                       speculative="ngram")
+    assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+    copied = spec.generate(prompts[0], params[0])  # alone, its prefix now cached
+    assert copied.token_ids == expected[0] and text[:40] in copied.text
+    stats = spec.scheduler.stats
+    assert stats.accepted_tokens >= 20, stats.snapshot()  # the copy was drafted from the prompt
