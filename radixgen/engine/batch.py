@@ -97,6 +97,15 @@ def build_attention_plan(
     padded to the longest under one mask (elsewhere one masked call beats a launch per request)."""
     if per_request_prefill is None:
         per_request_prefill = device.type == "cpu"
+    if plan.draft_lens is not None and decode_kernel is not None:
+        # every token of a speculative step is a query at its own position over K/V already in
+        # the pool: the decode kernel reads them in place, with a decode step's arithmetic
+        return AttentionPlan(
+            torch.from_numpy(plan.out_cache_loc).to(device), None, None, None, None, is_decode=True,
+            decode_kernel=decode_kernel, req_to_token=req_to_token,
+            rows=torch.from_numpy(np.repeat(plan.rows, plan.extend_lens)).to(device),
+            seq_lens=torch.from_numpy(plan.positions + 1).to(device),
+        )
     if plan.num_decode and plan.num_prefill:
         head, tail = plan.split_mixed()
         attn = build_attention_plan(head, req_to_token, device, dtype, decode_kernel, per_request_prefill)

@@ -7,7 +7,7 @@
 // With AVX2, the activations are first rounded to 16-bit integers per group of 32 (a scale per
 // token and group: each value within 2^-16 of its group's largest, where bf16 rounds to 2^-9 of
 // the value itself); each group of weights is then widened to 16-bit lanes once and multiplied
-// with up to eight tokens by integer multiply-adds, summed exactly, and scaled once per group.
+// with up to four tokens by integer multiply-adds, summed exactly, and scaled once per group.
 // W streams at 0.625 (4-bit) or 1.125 (8-bit) bytes per weight, against 2 for bf16 and 4 for
 // fp32, and no float copy of it is made at any batch size. This replaced a kernel that decoded
 // the weights to floats in registers: the integer one does half the instructions per weight
@@ -173,13 +173,15 @@ inline float dot_floats(const float* __restrict a, const float* __restrict b, in
 // Rows [begin, end) against kTokens tokens of 16-bit activations. Per group and token the
 // products' integer sums are scaled once, by weight scale x activation scale (computed for a
 // whole row up front, so the loop broadcasts them from memory); the minimum's term is the row's
-// minimums dotted with the groups' sums of x. Groups go in pairs; one or two tokens keep an
-// accumulator per group of the pair (two FMA chains in flight), more tokens are chains enough.
+// minimums dotted with the groups' sums of x. Groups go in pairs, each group of the pair with an
+// accumulator of its own (two FMA chains in flight) for every token count, so a token's result
+// does not depend on how many tokens share the call: greedy outputs are the same alone and in a
+// batch, and a speculative step's extend reproduces the decode step's logits bit for bit.
 template <int kBits, int kTokens>
 void int_rows(const int16_t* __restrict xq, const float* __restrict xd, const float* __restrict xs,
               const uint8_t* __restrict q, const float* __restrict scales, const float* __restrict mins, int64_t k,
               int64_t n, int64_t begin, int64_t end, float* __restrict out) {
-  constexpr int kAcc = kTokens <= 2 ? 2 : 1;
+  constexpr int kAcc = 2;  // one per group of a pair, whatever kTokens is (see above)
   constexpr int64_t group_bytes = kGroup * kBits / 8;
   const int64_t groups = k / kGroup, row_bytes = k * kBits / 8;
   thread_local std::vector<float> row_scale;
@@ -234,8 +236,7 @@ using IntRows = void (*)(const int16_t*, const float*, const float*, const uint8
                          int64_t, int64_t, int64_t, int64_t, float*);
 template <int kBits>
 constexpr IntRows kIntRows[] = {nullptr, int_rows<kBits, 1>, int_rows<kBits, 2>, int_rows<kBits, 3>,
-                                int_rows<kBits, 4>, int_rows<kBits, 5>, int_rows<kBits, 6>, int_rows<kBits, 7>,
-                                int_rows<kBits, 8>};
+                                int_rows<kBits, 4>};
 
 #endif
 
@@ -272,10 +273,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   // grain: enough rows per task that a task reads a few tens of KB of weights
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_bytes));
 #ifdef __AVX2__
-  // Tokens in chunks of up to 8 per pass over a block of rows: the block's weights stay in
+  // Tokens in chunks of up to 4 per pass over a block of rows (4 tokens x 2 accumulators fit
+  // the 16 vector registers with the weights; chunks of 8 measured slower): the block's weights stay in
   // cache between passes, and no float copy of W is made at any batch size (a dequantized
   // LM head for the float GEMM was 2x slower than these passes at 64 tokens).
-  constexpr int64_t kChunk = 8, kRowBlock = 64;
+  constexpr int64_t kChunk = 4, kRowBlock = 64;
   if (tokens > 0) {
     // per thread, kept across calls: a step calls ~120 linears, and each allocated four tensors
     thread_local std::vector<int16_t> xq;

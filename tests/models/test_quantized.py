@@ -44,6 +44,17 @@ def test_kernel_matches_the_dequantized_float_linear(kernels: Any, bits: int, ou
     torch.testing.assert_close(linear(x).float(), reference, atol=float(scale) * torch_tolerance, rtol=0)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_tokens_result_does_not_depend_on_the_tokens_beside_it(kernels: Any, bits: int) -> None:
+    """Bit for bit: greedy outputs must not change with the batch, and a speculative step's
+    extend must give the logits the decode step would have."""
+    linear = QuantizedLinear(_random_weight(bits, 300, 576, seed=bits), None)
+    x = torch.randn(11, 576, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([linear(x[i : i + 1], kernels) for i in range(11)])
+    for tokens in (2, 3, 5, 11):
+        assert torch.equal(linear(x[:tokens], kernels), alone[:tokens]), tokens
+
+
 def test_dequantize_op_equals_the_pytorch_dequantization(kernels: Any) -> None:
     """To the last bit but one: the native op may fuse q * scale + min into one rounding."""
     for bits in (4, 8):
