@@ -80,6 +80,10 @@ class ResultProcessor:
         if i < num_prefill and not self._after_prefill(req, plan, i, token_ids):
             return None  # a non-final chunk: nothing to sample yet
         reason = self.outputs.append_token(req, token_ids[i], result, i, allow_jump=allow_jump)
+        return self._after_append(req, reason)
+
+    def _after_append(self, req: Request, reason: FinishReason | None) -> RequestOutput | None:
+        """What the step's new tokens lead to: a rollback, the end, a jump-forward extend, or a delta."""
         if req.pending_rollback is not None:
             return self._rollback(req)
         if reason is not None:
@@ -116,15 +120,7 @@ class ResultProcessor:
             valid += 1
         self.kv.truncate(req, min(newest_position + 1 + valid, req.seq_len - 1))
         self.speculated_tokens += len(appended)
-        if req.pending_rollback is not None:
-            return self._rollback(req)
-        if reason is not None:
-            self.planner.remove_running(req)
-            return self.finish(req, reason)
-        if req.pending_extend:
-            self._requeue_for_extend(req)
-            return None
-        return self.outputs.emit(req, final=False)
+        return self._after_append(req, reason)
 
     def _fail_request(self, req: Request, error: str) -> RequestOutput | None:
         if req.is_finished or req.request_id not in self.requests:
