@@ -98,6 +98,21 @@ def test_text_events_framed_by_hand_have_the_shape_of_the_generic_ones(server: L
             assert all(list(e["choices"][0]) == ["index", "text", "finish_reason", "logprobs"] for e in texts)
 
 
+def test_a_request_asks_for_speculation_and_the_metrics_count_it(server: LiveServer) -> None:
+    c = client(server)
+    kwargs: dict[str, Any] = dict(model="tiny", messages=[{"role": "user", "content": "one two one two one two"}],
+                                  max_tokens=48, temperature=0)
+    plain = c.chat.completions.create(**kwargs, extra_body={"ignore_eos": True, "speculative": False})
+    drafted = c.chat.completions.create(**kwargs, extra_body={"ignore_eos": True, "speculative": True})
+    assert drafted.choices[0].message.content == plain.choices[0].message.content
+    metrics = {line.split()[0]: float(line.split()[1]) for line in httpx.get(server.url + "/metrics").text.splitlines()
+               if line.startswith("radixgen_spec_")}
+    assert metrics["radixgen_spec_accepted_tokens"] > 0, metrics
+    assert 0 < metrics["radixgen_spec_acceptance_rate"] <= 1
+    bad = httpx.post(server.url + "/v1/chat/completions", json={**kwargs, "speculative": "maybe"})
+    assert bad.status_code == 400 and "speculative" in bad.text
+
+
 def test_n_seed_and_stop(server: LiveServer) -> None:
     c = client(server)
     kw = dict(model="tiny", messages=CHAT, max_tokens=10, temperature=1.0, seed=123, extra_body={"ignore_eos": True})
