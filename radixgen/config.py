@@ -38,7 +38,7 @@ class EngineConfig:
     """torch compute threads; None means the cores this process may run on."""
     attention_backend: AttentionBackend = "auto"
     """auto: decode on CPU reads K/V straight from the pool with radixgen's C++ kernel (built
-    once per machine with the system compiler, ~10 s, cached under $RADIXGEN_CACHE/kernels);
+    once per machine with the system compiler, under half a minute, cached under $RADIXGEN_CACHE/kernels);
     gather + SDPA where it cannot be built and on other devices. sdpa: always gather + SDPA."""
     small_linear_max_tokens: int = 2
     """CPU: steps with at most this many tokens (batch-1 and batch-2 decode) run the linear

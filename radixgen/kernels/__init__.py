@@ -7,7 +7,7 @@ over the KV pool (decode_attention.cpp), a matrix-vector linear for one or two t
 
 The build goes through ``torch.utils.cpp_extension`` into ``$RADIXGEN_CACHE/kernels``, keyed by
 torch version, machine and source hash (torch rebuilds when the source changes), so a machine
-pays the ~10 s compile once. Every kernel has a pure-PyTorch path beside it: where no compiler
+pays the compile (under half a minute) once. Every kernel has a pure-PyTorch path beside it: where no compiler
 is found or the build fails, the caller is told ``None`` and the engine keeps working, slower.
 """
 
