@@ -40,7 +40,7 @@ _INDEX_WINDOW = 4096
 
 @dataclass
 class NgramIndex:
-    """Where each n-gram of a request's tokens last occurred (n = 1 .. max_n), as the index of
+    """Where each n-gram of a request's tokens last occurred (n = 2 .. max_n), as the index of
     the token that followed it. The newest position is never indexed before it is looked up,
     so a lookup finds an earlier occurrence, never the suffix itself."""
 
@@ -56,7 +56,7 @@ class NgramIndex:
         end = len(tokens) - 1  # the last token's n-grams wait until a token follows them
         start = max(self.indexed_to, end - _INDEX_WINDOW)
         for stop in range(start + 1, end + 1):  # n-grams tokens[stop - n : stop], followed by tokens[stop]
-            for n in range(1, min(self.max_n, stop) + 1):
+            for n in range(_MIN_MATCH, min(self.max_n, stop) + 1):
                 self.tables[n][tuple(tokens[stop - n : stop])] = stop
         self.indexed_to = max(self.indexed_to, end)
 
@@ -75,6 +75,8 @@ class DraftState:
     """A speculating request's drafting state."""
 
     index: NgramIndex
+    tokens: list[int] = field(default_factory=list)
+    """The request's prompt and output, kept up to date by appending (not rebuilt each step)."""
     draft: list[int] = field(default_factory=list)
     """The tokens drafted for this step (verified after the forward)."""
     length: int = 2
@@ -137,7 +139,7 @@ class NgramDrafter:
                        self.max_context_len - req.seq_len - 1)
             if room <= 0:
                 continue
-            tokens = req.all_ids()
+            tokens = _current_tokens(req, state)
             state.index.update(tokens)
             draft = state.index.propose(tokens, room)
             if draft and req.matcher is not None:
@@ -160,6 +162,16 @@ class NgramDrafter:
         self.accepted_tokens += accepted
         if state.drafted >= _GIVE_UP_AFTER and state.accepted < _GIVE_UP_BELOW * state.drafted:
             state.gave_up = True
+
+
+def _current_tokens(req: Request, state: DraftState) -> list[int]:
+    tokens = state.tokens
+    mirrored = len(tokens) - req.prompt_len  # output tokens already in the copy
+    if mirrored < 0 or mirrored > len(req.output_ids) or (mirrored and tokens[-1] != req.output_ids[mirrored - 1]):
+        tokens = state.tokens = req.all_ids()  # first use, or the output was cut back (a rollback)
+    else:
+        tokens.extend(req.output_ids[mirrored:])
+    return tokens
 
 
 def _grammatical_prefix(req: Request, draft: list[int]) -> list[int]:
