@@ -30,7 +30,6 @@ from radixgen.errors import EngineDeadError, OverloadedError
 logger = logging.getLogger(__name__)
 
 _SHUTDOWN_SEND_S = 5.0
-_NO_KEEPALIVE_S = 3600.0
 
 
 class EngineClient:
@@ -149,7 +148,7 @@ class EngineClient:
         finished = False
         try:
             while not finished:
-                for _, out in await sink.take(_NO_KEEPALIVE_S) or ():
+                for _, out in await sink.take() or ():
                     if isinstance(out, BaseException):
                         raise out
                     finished = out.finished

@@ -33,18 +33,19 @@ class OutputSink:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def take(self, timeout: float) -> list[Delivery] | None:
+    async def take(self, timeout: float | None = None) -> list[Delivery] | None:
         """What has arrived, oldest first, waiting for it if nothing has; None after ``timeout``
         seconds of quiet (a stream's keep-alive)."""
         if not self._items:
             loop = asyncio.get_running_loop()
             waiter = self._waiter = loop.create_future()
             # a timer handle, not asyncio.timeout: its context manager cost more than the wait
-            timer = loop.call_later(timeout, _settle, waiter)
+            timer = loop.call_later(timeout, _settle, waiter) if timeout is not None else None
             try:
                 await waiter
             finally:
-                timer.cancel()
+                if timer is not None:
+                    timer.cancel()
                 self._waiter = None
             if not self._items:
                 return None

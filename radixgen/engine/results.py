@@ -34,8 +34,6 @@ class ResultProcessor:
         self.log = log
         self.requests = requests
         """Every request the scheduler holds (shared with it); a finished one leaves it here."""
-        self.speculated_tokens = 0
-        """Tokens the speculative rows of the current step appended."""
 
     def process_results(self, plan: StepPlan, result: SampleResult, forward_s: float = 0.0,
                         verdicts: dict[int, Verdict] | None = None) -> list[RequestOutput]:
@@ -68,8 +66,6 @@ class ResultProcessor:
             step.kind, step.decode_rows = "decode", plan.batch_size
             step.drafted_tokens = int(plan.draft_lens.sum())
             step.accepted_tokens = sum(len(v.accepted) for v in (verdicts or {}).values())
-            self.stats.generated_tokens += self.speculated_tokens
-            self.speculated_tokens = 0
         step.forward_s = forward_s
         self.stats.record(step, queue_depth=len(self.planner.waiting), running=len(self.planner.running),
                           kv_used=self.kv.used(), cached=self.kv.cached_tokens())
@@ -119,7 +115,7 @@ class ResultProcessor:
         while valid < min(len(appended), len(fed)) and appended[valid] == fed[valid]:
             valid += 1
         self.kv.truncate(req, min(newest_position + 1 + valid, req.seq_len - 1))
-        self.speculated_tokens += len(appended)
+        self.stats.generated_tokens += len(appended)  # sample_mask counts none of a drafting row's tokens
         return self._after_append(req, reason)
 
     def _fail_request(self, req: Request, error: str) -> RequestOutput | None:
