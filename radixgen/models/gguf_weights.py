@@ -55,7 +55,9 @@ def tensor_types(path: Path) -> list[str]:
     return sorted({t.tensor_type.name for t in gguf.GGUFReader(path).tensors})
 
 
-_CACHE_NAME = "gguf-blocks.safetensors"
+# In a folder of its own: beside model.safetensors, tools that load every *.safetensors of a
+# checkpoint folder (vLLM) would take the blocks for weights.
+_CACHE_NAME = "radixgen-gguf/blocks.safetensors"
 
 
 def cached_gguf(path: Path, hf_config: Any, cache_folder: Path) -> dict[str, torch.Tensor | QuantizedWeight]:
@@ -83,6 +85,7 @@ def cached_gguf(path: Path, hf_config: Any, cache_folder: Path) -> dict[str, tor
                          name + "::mins": value.mins, name + "::bits": torch.tensor(value.bits)})
         else:
             flat[name + "::float"] = value.contiguous()
+    cache.parent.mkdir(exist_ok=True)
     tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")  # servers starting together each write their own
     save_file(flat, str(tmp))
     tmp.replace(cache)

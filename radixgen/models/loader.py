@@ -189,7 +189,7 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
         missing = [f.name for f in files if not f.exists()]
         if missing:
             raise FileNotFoundError(f"{model_dir} lacks the shards {missing} named by its index")
-    else:  # the repacked GGUF blocks a quantized start cached beside the weights are not weights
+    else:  # the repacked GGUF blocks that earlier releases cached beside the weights are not weights
         files = sorted(f for f in model_dir.glob("*.safetensors") if f.name != "gguf-blocks.safetensors")
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")

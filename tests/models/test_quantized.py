@@ -134,6 +134,10 @@ def test_a_quantized_gguf_runs_quantized_and_equals_its_dequantized_float_copy(
     outs = [PoolHarness(m, kernels=kernels, decode_kernel=kernels.decode_attention if kernels else None).extend(
         [(0, ids)])[0] for m in (quantized.model, dequantized)]
     torch.testing.assert_close(outs[0], outs[1], atol=1e-3, rtol=0)
+    # the converted folder stays a checkpoint other tools load: vLLM takes every top-level *.safetensors
+    (folder,) = {p.parent for p in (tmp_path / "cache").rglob("config.json")}
+    assert [f.name for f in folder.glob("*.safetensors")] == ["model.safetensors"]
+    assert (folder / "radixgen-gguf" / "blocks.safetensors").exists()
 
 
 
