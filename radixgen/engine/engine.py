@@ -319,6 +319,11 @@ class Engine:
             raise value
         return value
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the radix tree's cached prefixes that no running request holds (what vLLM's
+        ``LLM.reset_prefix_cache`` and SGLang's ``/flush_cache`` do); return the tokens dropped."""
+        return self.run_on_loop(self.scheduler.kv.drop_unused_prefixes)
+
     def kv_accounting(self) -> dict[str, int]:
         """Slots free / held by requests / held by the tree / pool size, read on the engine thread."""
         return self.run_on_loop(self.kv_accounting_unlocked)

@@ -119,6 +119,13 @@ class KVCacheManager:
         req.pool_row = -1
         req.num_computed = req.prefix_len = req.last_node = 0
 
+    def drop_unused_prefixes(self) -> int:
+        """Evict every cached prefix no running request holds (a benchmark's cold start, an
+        operator's flush); return how many tokens were dropped."""
+        freed = self.tree.evict(self.tree.evictable_tokens())
+        self.pool.slots.free(freed)
+        return len(freed)
+
     # ---- accounting ---------------------------------------------------------------------
 
     def used(self) -> int:

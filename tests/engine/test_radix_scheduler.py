@@ -190,3 +190,19 @@ def test_aborting_waiting_requests_leaves_the_others_in_order(make_engine: Calla
     assert all(ended[rid] is FinishReason.LENGTH for rid in ids if rid not in aborted)
     kept = [rid for rid in started if rid not in aborted]
     assert kept == [rid for rid in ids if rid not in aborted], "the queue kept its order"
+
+
+def test_reset_prefix_cache_drops_the_unheld_prefixes_and_keeps_the_answers(
+        make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine()
+    prompts = shared_prefix_prompts(engine, 3)
+    first = engine.generate(prompts, greedy(6))
+    held = engine.kv_accounting()["held_by_tree"]
+    assert held > 0
+    assert engine.reset_prefix_cache() == held
+    accounting = engine.kv_accounting()
+    assert accounting["held_by_tree"] == 0 and accounting["free"] == accounting["pool_size"]
+    again = engine.generate(prompts[0], greedy(6))
+    assert again.cached_tokens == 0, "a dropped prefix is computed again"
+    assert again.token_ids == first[0].token_ids
+    engine.run_on_loop(engine.scheduler.check_kv_invariant)
