@@ -65,6 +65,9 @@ class Workload:
 
 PRESETS = {
     "mixed-64": Workload(),
+    # the load issue 24 measured against vLLM: sessions arriving at 4/s, and all 128 at once
+    "arrival-4": Workload(session_rate=4.0),
+    "saturation-128": Workload(sessions=128, session_rate=float("inf"), think_time_s=0.0, warmup_s=0.0),
     "smoke": Workload(sessions=4, session_rate=20.0, turns=2, think_time_s=0.05, num_requests=16, duration_s=60,
                       warmup_s=0.0, min_output=4, max_output=12),
     "shared-prefix-16": Workload(sessions=16, session_rate=4.0, share_long=0.0, share_shared_prefix=1.0, share_json=0.0),
