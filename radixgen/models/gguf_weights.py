@@ -58,6 +58,7 @@ def tensor_types(path: Path) -> list[str]:
 # In a folder of its own: beside model.safetensors, tools that load every *.safetensors of a
 # checkpoint folder (vLLM) would take the blocks for weights.
 _CACHE_NAME = "radixgen-gguf/blocks.safetensors"
+LEGACY_CACHE_NAME = "gguf-blocks.safetensors"
 
 
 def cached_gguf(path: Path, hf_config: Any, cache_folder: Path) -> dict[str, torch.Tensor | QuantizedWeight]:
@@ -86,6 +87,7 @@ def cached_gguf(path: Path, hf_config: Any, cache_folder: Path) -> dict[str, tor
         else:
             flat[name + "::float"] = value.contiguous()
     cache.parent.mkdir(exist_ok=True)
+    (cache_folder / LEGACY_CACHE_NAME).unlink(missing_ok=True)  # an earlier release's copy, beside the weights
     tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")  # servers starting together each write their own
     save_file(flat, str(tmp))
     tmp.replace(cache)

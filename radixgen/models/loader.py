@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from radixgen.models.families import architecture_for_model_type
-from radixgen.models.gguf_weights import tensor_types
+from radixgen.models.gguf_weights import LEGACY_CACHE_NAME, tensor_types
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
         if missing:
             raise FileNotFoundError(f"{model_dir} lacks the shards {missing} named by its index")
     else:  # the repacked GGUF blocks that earlier releases cached beside the weights are not weights
-        files = sorted(f for f in model_dir.glob("*.safetensors") if f.name != "gguf-blocks.safetensors")
+        files = sorted(f for f in model_dir.glob("*.safetensors") if f.name != LEGACY_CACHE_NAME)
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     state: dict[str, torch.Tensor] = {}

@@ -138,6 +138,10 @@ def test_a_quantized_gguf_runs_quantized_and_equals_its_dequantized_float_copy(
     (folder,) = {p.parent for p in (tmp_path / "cache").rglob("config.json")}
     assert [f.name for f in folder.glob("*.safetensors")] == ["model.safetensors"]
     assert (folder / "radixgen-gguf" / "blocks.safetensors").exists()
+    (folder / "radixgen-gguf" / "blocks.safetensors").unlink()  # as a cache an earlier release left:
+    (folder / "gguf-blocks.safetensors").write_bytes(b"")  # its blocks beside the weights
+    load_model(path)
+    assert not (folder / "gguf-blocks.safetensors").exists(), "the earlier release's copy is cleaned up"
 
 
 
