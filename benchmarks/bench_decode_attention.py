@@ -25,7 +25,7 @@ from benchmarks.common import print_table, prompts_of_lengths, write_json  # noq
 from radixgen import Engine, EngineConfig, SamplingParams  # noqa: E402
 from radixgen.engine.batch import StepKind, StepPlan, build_attention_plan  # noqa: E402
 from radixgen.kernels import decode_attention_op  # noqa: E402
-from radixgen.models.attention import paged_attention  # noqa: E402
+from radixgen.models.attention import LayerAttention, paged_attention  # noqa: E402
 
 SHAPES = [(1, 100), (24, 800), (64, 300)]  # (requests, context length)
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 8
@@ -48,6 +48,7 @@ def per_layer(dtype: torch.dtype, batch: int, length: int) -> dict[str, Any]:
     new_k = k[0, req_to_token[:, length - 1]]
     new_v = v[0, req_to_token[:, length - 1]]
     row: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": length}
+    shape = LayerAttention(scale=HEAD_DIM**-0.5)
     for name, kernel in (("sdpa_ms", None), ("kernel_ms", decode_attention_op())):
         if name == "kernel_ms" and kernel is None:
             continue
@@ -55,7 +56,7 @@ def per_layer(dtype: torch.dtype, batch: int, length: int) -> dict[str, Any]:
 
         def run(attn: Any = attn) -> None:
             for layer in range(LAYERS):
-                paged_attention(q, new_k, new_v, k[layer], v[layer], attn)
+                paged_attention(q, new_k, new_v, k[layer], v[layer], attn, shape)
 
         run()
         start = time.perf_counter()
@@ -64,6 +65,8 @@ def per_layer(dtype: torch.dtype, batch: int, length: int) -> dict[str, Any]:
         row[name] = (time.perf_counter() - start) / (5 * LAYERS) * 1e3
     if "kernel_ms" in row:
         row["speedup"] = row["sdpa_ms"] / row["kernel_ms"]
+        kv_bytes = 2 * batch * length * KV_HEADS * HEAD_DIM * k.element_size()  # K and V, read once
+        row["kernel_gb_s"] = kv_bytes / (row["kernel_ms"] * 1e-3) / 1e9
     return row
 
 
@@ -101,7 +104,7 @@ def main() -> None:
         print("the native kernel did not build here: only the gather + SDPA column is measured")
     layers = [per_layer(getattr(torch, d), b, n) for d in dtypes for b, n in SHAPES]
     print("per layer (ms)")
-    print_table(layers, ["dtype", "batch", "context", "sdpa_ms", "kernel_ms", "speedup"])
+    print_table(layers, ["dtype", "batch", "context", "sdpa_ms", "kernel_ms", "speedup", "kernel_gb_s"])
     steps: list[dict[str, Any]] = []
     if not args.skip_engine:
         steps = [row for d in dtypes for row in engine_steps(d)]
