@@ -90,9 +90,11 @@ class StepPlan:
 def build_attention_plan(
     plan: StepPlan, req_to_token: torch.Tensor, device: torch.device, dtype: torch.dtype,
     decode_kernel: Callable[..., torch.Tensor] | None = None, per_request_prefill: bool | None = None,
+    prefill_kernel: Callable[..., torch.Tensor] | None = None,
 ) -> AttentionPlan:
     """Device tensors for attention, built once per step and shared by every layer.
     ``decode_kernel``: the pool-reading decode kernel, used for decode steps when given.
+    ``prefill_kernel``: the pool-reading prefill kernel, used for prefill (parts of) steps when given.
     ``per_request_prefill``: attend prefill requests one by one (default: on CPU) rather than
     padded to the longest under one mask (elsewhere one masked call beats a launch per request)."""
     if per_request_prefill is None:
@@ -108,13 +110,21 @@ def build_attention_plan(
         )
     if plan.num_decode and plan.num_prefill:
         head, tail = plan.split_mixed()
-        attn = build_attention_plan(head, req_to_token, device, dtype, decode_kernel, per_request_prefill)
+        attn = build_attention_plan(
+            head, req_to_token, device, dtype, decode_kernel, per_request_prefill, prefill_kernel)
         attn.decode_tail = build_attention_plan(tail, req_to_token, device, dtype, decode_kernel)
         attn.num_prefill_tokens = head.num_tokens
         attn.out_cache_loc = torch.from_numpy(plan.out_cache_loc).to(device)
         return attn
     out_cache_loc = torch.from_numpy(plan.out_cache_loc).to(device)
     batch = plan.batch_size
+    if plan.kind is StepKind.PREFILL and prefill_kernel is not None:
+        return AttentionPlan(
+            out_cache_loc, None, None, None, None, is_decode=False, prefill_kernel=prefill_kernel,
+            req_to_token=req_to_token, rows=torch.from_numpy(plan.rows).to(device),
+            prefix_lens=torch.from_numpy(plan.prefix_lens).to(device),
+            extend_lens=torch.from_numpy(plan.extend_lens).to(device),
+        )
     if plan.kind is StepKind.PREFILL and (per_request_prefill or (batch == 1 and plan.prefix_lens[0] == 0)):
         spans = _prefill_spans(plan, req_to_token, device, dtype)
         return AttentionPlan(out_cache_loc, None, None, None, None, is_decode=False, spans=spans)

@@ -47,7 +47,9 @@ class ModelRunner:
             kernels = cpu_kernels()
             if kernels is not None:
                 self.kernels = dataclasses.replace(kernels, small_linear_max_tokens=small_linear_max_tokens)
-        self.decode_kernel = self.kernels.decode_attention if self.kernels and attention_backend == "auto" else None
+        native = self.kernels if attention_backend == "auto" else None
+        self.decode_kernel = native.decode_attention if native else None
+        self.prefill_kernel = native.prefill_attention_for(pool.k.dtype) if native else None
         if small_linear_max_tokens <= 0:
             model.drop_plain_weights()
 
@@ -76,7 +78,10 @@ class ModelRunner:
         then, per request with forced tokens to verify, the positions just before each of them;
         then the S prompt positions of ``plan.prompt_scoring``."""
         device = self.device
-        attn = build_attention_plan(plan, self.pool.req_to_token, device, self.pool.k.dtype, self.decode_kernel)
+        attn = build_attention_plan(
+            plan, self.pool.req_to_token, device, self.pool.k.dtype, self.decode_kernel,
+            prefill_kernel=self.prefill_kernel,
+        )
         input_ids = torch.from_numpy(plan.input_ids).to(device)
         positions = torch.from_numpy(plan.positions).to(device)
         last = np.cumsum(plan.extend_lens) - 1

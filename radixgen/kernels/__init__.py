@@ -1,7 +1,8 @@
 """Native CPU kernels, compiled on first use with the system C++ compiler and cached.
 
-Four sources (compiled as one unit, kernels.cpp), one extension registering ops under ``torch.ops.radixgen``: decode attention
-over the KV pool (decode_attention.cpp), a matrix-vector linear for one or two tokens
+Five sources (compiled as one unit, kernels.cpp), one extension registering ops under
+``torch.ops.radixgen``: decode and prefill attention over the KV pool (decode_attention.cpp,
+prefill_attention.cpp), a matrix-vector linear for one or two tokens
 (small_linear.cpp), the fused element-wise steps of a layer (fused_ops.cpp), and weight-only
 4/8-bit linears (quant_linear.cpp).
 
@@ -26,9 +27,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in (
-    "kernels.cpp", "decode_attention.cpp", "small_linear.cpp", "fused_ops.cpp", "quant_linear.cpp", "common.h")]
+    "kernels.cpp", "decode_attention.cpp", "prefill_attention.cpp", "small_linear.cpp", "fused_ops.cpp", "quant_linear.cpp", "common.h")]
 _UNIT = "kernels.cpp"  # includes the other sources
-_OPS = ("decode_attention", "small_linear", "rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul", "quant_linear",
+_OPS = ("decode_attention", "prefill_attention", "prefill_attention_native", "small_linear", "rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul", "quant_linear",
         "quant_dequantize")
 # Release flags that keep IEEE semantics apart from reassociation (so the dot products
 # vectorise); -ffast-math would link crtfastmath and flush denormals process-wide. -fopenmp:
@@ -65,6 +66,8 @@ class CpuKernels:
     """The native ops a CPU forward calls (each an overload of ``torch.ops.radixgen``)."""
 
     decode_attention: Any
+    prefill_attention: Any
+    prefill_attention_native: Any
     small_linear: Any
     rms_norm: Any
     add_rms_norm: Any
@@ -75,6 +78,11 @@ class CpuKernels:
     small_linear_max_tokens: int = 2
     """Linear layers of steps with at most this many tokens use ``small_linear`` (a
     matrix-vector product over the plain weight); larger steps use oneDNN's blocked GEMM."""
+
+    def prefill_attention_for(self, dtype: torch.dtype) -> Any:
+        """The prefill kernel where it is the faster path (bfloat16 on a CPU with AVX-512 BF16;
+        elsewhere its plain loops are not known to beat PyTorch's flash kernel), else None."""
+        return self.prefill_attention if dtype == torch.bfloat16 and self.prefill_attention_native() else None
 
 
 def cpu_kernels() -> CpuKernels | None:

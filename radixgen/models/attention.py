@@ -15,6 +15,9 @@ bf16 step took 1.2-3.8 s that way, with the allocator's state, against ~1.05 s.
 Decode on CPU has a second path: a native kernel (``radixgen/kernels``) that reads each
 request's K/V rows straight from the pool through ``req_to_token``, with no gather, padding or
 mask. Decode attention is memory-bound, and the gather path moved every K/V byte three times.
+Prefill in bfloat16 on a CPU with AVX-512 BF16 has one too: a flash-style kernel over the pool
+in bf16 dot products. PyTorch's CPU flash kernel computes bf16 attention in float32 GEMMs,
+at about a fifth of the machine's bf16 rate.
 """
 
 from __future__ import annotations
@@ -92,11 +95,19 @@ class AttentionPlan:
     decode_kernel: Callable[..., torch.Tensor] | None = None
     """Decode only: the pool-reading kernel, called as (q [B,H,D], k_cache, v_cache,
     req_to_token, rows, seq_lens, scale); when set, kv_indices and attn_mask are None."""
+    prefill_kernel: Callable[..., torch.Tensor] | None = None
+    """Prefill only: the pool-reading kernel, called as (q [T,H,D], k_cache, v_cache,
+    req_to_token, rows, prefix_lens, extend_lens, scale, window, softcap); when set, the padded
+    fields and spans are None."""
     req_to_token: torch.Tensor | None = None
     rows: torch.Tensor | None = None
-    """[B] int64 req_to_token row of each request (decode kernel only)."""
+    """[B] int64 req_to_token row of each request (the kernels only)."""
     seq_lens: torch.Tensor | None = None
     """[B] int64 keys each request attends, its new token included (decode kernel only)."""
+    prefix_lens: torch.Tensor | None = None
+    """[B] int64 tokens of each request already in the pool before this step (prefill kernel only)."""
+    extend_lens: torch.Tensor | None = None
+    """[B] int64 new tokens of each request, in the step's token order (prefill kernel only)."""
     decode_tail: AttentionPlan | None = None
     """A mixed step: the plan of the decode rows whose tokens follow the first
     ``num_prefill_tokens`` (this plan's own fields describe the prefill rows only, except
@@ -167,6 +178,12 @@ def _attend_written(
         out = plan.decode_kernel(
             q, k_cache, v_cache, plan.req_to_token, plan.rows, plan.seq_lens, layer.scale, layer.window or 0,
             layer.softcap or 0.0,
+        )
+        return out.view(num_tokens, num_heads * head_dim)
+    if plan.prefill_kernel is not None:
+        out = plan.prefill_kernel(
+            q, k_cache, v_cache, plan.req_to_token, plan.rows, plan.prefix_lens, plan.extend_lens, layer.scale,
+            layer.window or 0, layer.softcap or 0.0,
         )
         return out.view(num_tokens, num_heads * head_dim)
     if plan.spans is not None:

@@ -17,15 +17,17 @@ class PoolHarness:
     def __init__(
         self, model: CausalLM, num_slots: int = 4096, max_rows: int = 8, max_context_len: int = 1024,
         decode_kernel: Callable[..., torch.Tensor] | None = None, kernels: CpuKernels | None = None,
-        padded_prefill: bool = False,
+        padded_prefill: bool = False, prefill_kernel: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         """``kernels``: the native ops the forward uses (None: PyTorch ops only); decode attention
         uses ``decode_kernel`` either way, as in the engine's attention_backend.
-        ``padded_prefill``: the one-masked-call prefill attention other devices use."""
+        ``padded_prefill``: the one-masked-call prefill attention other devices use.
+        ``prefill_kernel``: the pool-reading prefill attention kernel."""
         self.padded_prefill = padded_prefill
         cfg = model.config
         self.model = model
         self.decode_kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel
         self.kernels = kernels
         self.pool = KVPool(
             num_slots=num_slots, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
@@ -54,7 +56,7 @@ class PoolHarness:
             self.lengths[r] += int(n)
         attn = build_attention_plan(
             plan, self.pool.req_to_token, torch.device("cpu"), self.pool.k.dtype, self.decode_kernel,
-            per_request_prefill=not self.padded_prefill,
+            per_request_prefill=not self.padded_prefill, prefill_kernel=self.prefill_kernel,
         )
         all_rows = torch.arange(plan.num_tokens)
         logits = self.model(
@@ -66,8 +68,8 @@ class PoolHarness:
 
 PATHS = ["torch", "torch-padded", "native", "native-sdpa"]
 """torch: PyTorch ops alone (gather + SDPA decode, per-request prefill); torch-padded: the same
-with prefill padded under one mask (the path on other devices); native: every CPU kernel, the
-engine's default; native-sdpa: the fused layer ops with gather + SDPA decode (attention_backend=sdpa)."""
+with prefill padded under one mask (the path on other devices); native: every CPU kernel the
+engine would use, its default (the prefill-attention kernel in bfloat16 where it is native); native-sdpa: the fused layer ops with gather + SDPA decode (attention_backend=sdpa)."""
 
 
 def harness_for(model: CausalLM, path: str) -> PoolHarness:
@@ -80,4 +82,9 @@ def harness_for(model: CausalLM, path: str) -> PoolHarness:
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("the CPU kernels do not build here")
-    return PoolHarness(model, decode_kernel=kernels.decode_attention if path == "native" else None, kernels=kernels)
+    if path == "native":
+        return PoolHarness(
+            model, decode_kernel=kernels.decode_attention, kernels=kernels,
+            prefill_kernel=kernels.prefill_attention_for(model.embed.dtype),
+        )
+    return PoolHarness(model, kernels=kernels)

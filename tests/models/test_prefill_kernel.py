@@ -1,0 +1,132 @@
+"""The native CPU prefill-attention kernel against float32 attention over the same pool rows.
+
+The kernel reads K/V through req_to_token and walks blocks of 16 queries over blocks of 64
+keys, skipping what causality or a window hides; the cases cover what that changes: slots
+scattered over the pool, requests extending a cached prefix or starting fresh, lengths on and
+off the block edges (down to one token), GQA groups and plain multi-head, head sizes with and
+without the 16-lane loops, sliding windows shorter than a block and soft-capping. On machines
+without AVX-512 BF16 the same blocks run through plain loops, and the same tests hold them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixgen.kernels import cpu_kernels
+
+# bf16 inputs are exact in float32; the kernel rounds the softmax weights and the output to
+# bf16 (outputs here are O(1): one bf16 step is 2^-8 relative)
+ATOL = 2e-2
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels do not build here")
+    return kernels.prefill_attention
+
+
+def _pool(kv_heads, head_dim, prefix_lens, extend_lens, rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    num_slots = sum(prefix_lens) + sum(extend_lens) + 200
+    k_cache = torch.randn(num_slots, kv_heads, head_dim, generator=g).bfloat16()
+    v_cache = torch.randn(num_slots, kv_heads, head_dim, generator=g).bfloat16()
+    req_to_token = torch.zeros(max(rows) + 2, max(p + e for p, e in zip(prefix_lens, extend_lens, strict=True)) + 5,
+                               dtype=torch.long)
+    scattered = torch.randperm(num_slots - 1, generator=g) + 1
+    start = 0
+    for row, p, e in zip(rows, prefix_lens, extend_lens, strict=True):
+        req_to_token[row, : p + e] = scattered[start : start + p + e]
+        start += p + e
+    return k_cache, v_cache, req_to_token, g
+
+
+def _reference(q, k_cache, v_cache, req_to_token, rows, prefix_lens, extend_lens, scale, window=0, softcap=0.0):
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
+    outs, start = [], 0
+    for row, p, e in zip(rows, prefix_lens, extend_lens, strict=True):
+        slots = req_to_token[row, : p + e]
+        keys = k_cache[slots].float().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)  # [H, L, D]
+        values = v_cache[slots].float().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        scores = q[start : start + e].float().transpose(0, 1) @ keys.transpose(1, 2) * scale  # [H, E, L]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        key_pos, query_pos = torch.arange(p + e)[None, :], p + torch.arange(e)[:, None]
+        visible = key_pos <= query_pos
+        if window:
+            visible &= key_pos > query_pos - window
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+        outs.append((probs @ values).transpose(0, 1))
+        start += e
+    return torch.cat(outs)
+
+
+def _run(kernel, q, k_cache, v_cache, req_to_token, rows, prefix_lens, extend_lens, scale, window=0, softcap=0.0):
+    return kernel(q, k_cache, v_cache, req_to_token, torch.tensor(rows), torch.tensor(prefix_lens),
+                  torch.tensor(extend_lens), scale, window, softcap)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "window", "softcap"),
+    [
+        (9, 3, 64, 0, 0.0),  # SmolLM2's shape
+        (4, 4, 32, 0, 0.0),  # plain multi-head
+        (4, 2, 128, 0, 0.0),
+        (6, 2, 80, 0, 0.0),  # 64 + 16 lanes
+        (2, 1, 40, 0, 0.0),  # no 16-lane loop
+        (4, 2, 64, 37, 0.0),  # a window shorter than a key block
+        (4, 2, 64, 200, 0.0),
+        (4, 2, 64, 0, 30.0),
+        (4, 2, 64, 50, 20.0),  # Gemma 2: both
+    ],
+)
+def test_kernel_matches_masked_attention(kernel, heads, kv_heads, head_dim, window, softcap) -> None:
+    # fresh prompts and extends of a cached prefix, lengths on and off the 16 / 64 block edges
+    prefix_lens = [0, 37, 0, 100, 64, 0, 5]
+    extend_lens = [1, 70, 129, 300, 64, 17, 15]
+    rows = [5, 0, 3, 1, 2, 6, 4]  # not in batch order
+    k_cache, v_cache, req_to_token, g = _pool(kv_heads, head_dim, prefix_lens, extend_lens, rows, heads + head_dim)
+    q = torch.randn(sum(extend_lens), heads, head_dim, generator=g).bfloat16()
+    scale = head_dim**-0.5
+
+    out = _run(kernel, q, k_cache, v_cache, req_to_token, rows, prefix_lens, extend_lens, scale, window, softcap)
+
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    expected = _reference(q, k_cache, v_cache, req_to_token, rows, prefix_lens, extend_lens, scale, window, softcap)
+    torch.testing.assert_close(out.float(), expected, atol=ATOL, rtol=0)
+    # the first token of a fresh prompt sees only itself: its value, exactly
+    first_value = v_cache[req_to_token[rows[0], 0]].repeat_interleave(heads // kv_heads, 0)
+    assert torch.equal(out[0], first_value)
+
+
+def test_a_requests_result_does_not_depend_on_the_requests_beside_it(kernel) -> None:
+    """Bit for bit: the greedy answer of a prompt must not change with the batch it prefills in."""
+    prefix_lens, extend_lens, rows = [0, 30, 0], [90, 50, 200], [0, 1, 2]
+    k_cache, v_cache, req_to_token, g = _pool(3, 64, prefix_lens, extend_lens, rows, 11)
+    q = torch.randn(sum(extend_lens), 9, 64, generator=g).bfloat16()
+    together = _run(kernel, q, k_cache, v_cache, req_to_token, rows, prefix_lens, extend_lens, 0.125)
+    alone = _run(kernel, q[90:140], k_cache, v_cache, req_to_token, [1], [30], [50], 0.125)
+    assert torch.equal(together[90:140], alone)
+
+
+def test_kernel_reads_a_strided_query(kernel) -> None:
+    """q arrives as a view split off the fused qkv projection, not a contiguous tensor."""
+    prefix_lens, extend_lens, rows = [3], [40], [0]
+    k_cache, v_cache, req_to_token, g = _pool(2, 32, prefix_lens, extend_lens, rows, 5)
+    qk = torch.randn(40, 6, 32, generator=g).bfloat16()  # 4 query heads + 2 key heads, fused
+    q = qk[:, :4]
+    assert not q.is_contiguous()
+    out = _run(kernel, q, k_cache, v_cache, req_to_token, rows, prefix_lens, extend_lens, 0.2)
+    assert torch.equal(out, _run(kernel, q.contiguous(), k_cache, v_cache, req_to_token, rows, prefix_lens,
+                                 extend_lens, 0.2))
+
+
+def test_kernel_refuses_lengths_outside_the_row_table(kernel) -> None:
+    k_cache, v_cache, req_to_token, _ = _pool(1, 16, [0], [10], [0], 1)
+    q = torch.zeros(10, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="outside req_to_token"):
+        _run(kernel, q, k_cache, v_cache, req_to_token, [0], [req_to_token.shape[1]], [10], 0.25)
+    with pytest.raises(RuntimeError, match="extend_lens sum"):
+        _run(kernel, q, k_cache, v_cache, req_to_token, [0], [0], [9], 0.25)
