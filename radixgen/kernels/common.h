@@ -1,4 +1,4 @@
-// Helpers shared by the CPU kernels: float conversions and a vectorisable exp.
+// Helpers shared by the CPU kernels: float conversions and vectorisable exps.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -8,6 +8,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+// AVX-512 BF16's dot product of bf16 pairs (vdpbf16ps): the attention kernels' fast paths.
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define RADIXGEN_BF16_DOT 1
+#endif
 
 namespace radixgen {
 
@@ -42,5 +48,25 @@ inline float exp_approx(float x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
+
+// exp_approx's arithmetic on 16 lanes; scalef builds the 2^n.
+#ifdef RADIXGEN_BF16_DOT
+inline __m512 exp_vec(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
 
 }  // namespace radixgen

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -22,6 +23,9 @@ constexpr int64_t kPrefetch = 16;  // keys ahead: slots are scattered over the p
 
 using radixgen::exp_approx;
 using radixgen::to_float;
+#ifdef RADIXGEN_BF16_DOT
+using radixgen::exp_vec;
+#endif
 
 // Every cache line of one head's key or value row: a bf16 row of 64 is two lines, and
 // prefetching only the first left a miss on the second for each key.
@@ -84,6 +88,163 @@ void attend_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
   }
 }
 
+#ifdef RADIXGEN_BF16_DOT
+// What of each key's pool row to prefetch, in elements: the item's own head, the whole row (all
+// kv heads, read by the same thread next), or nothing (count 0: the row is in cache already).
+struct RowPrefetch {
+  int64_t first;
+  int64_t count;
+};
+
+// Sixteen 16-lane partial sums -> one vector whose lane j is the sum of v[j]'s lanes: four
+// rounds of pairwise shuffles and adds (quarters, then halves of quarters, then lanes), then
+// one permute undoes the order they leave the sums in.
+inline __m512 sum_lanes_of_16(__m512* v) {
+  __m512 halves[8], quarters[4], pairs[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: key 2i, 8-15: key 2i + 1
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // quarter k: key 4i + k
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // quarter k: keys 8i + k (lanes 0-1), 8i + 4 + k (lanes 2-3)
+    pairs[i] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // lane 4k + m holds key 4m + k
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+}
+
+// out[g][d] += p(g, j) v_j[d] + p(g, j + 1) v_{j+1}[d] for kHeads heads, the two rows
+// interleaved into bf16 pairs. unpacklo/hi work within 128-bit lanes, so accumulator lo[c]
+// lane k holds dim 32c + 8(k / 4) + k % 4 and hi[c] that dim + 4 (undone at the end).
+template <int kHeads, int kChunks>
+inline void accumulate_pair(const __m512i* first, const __m512i* second, const uint32_t* prob_pairs, int64_t stride,
+                            __m512 (*lo)[kChunks], __m512 (*hi)[kChunks]) {
+  __m512i pair_lo[kChunks], pair_hi[kChunks];
+  for (int c = 0; c < kChunks; ++c) {
+    pair_lo[c] = _mm512_unpacklo_epi16(first[c], second[c]);
+    pair_hi[c] = _mm512_unpackhi_epi16(first[c], second[c]);
+  }
+  for (int g = 0; g < kHeads; ++g) {
+    const __m512i p = _mm512_set1_epi32(static_cast<int>(prob_pairs[g * stride]));
+    for (int c = 0; c < kChunks; ++c) {
+      lo[g][c] = _mm512_dpbf16_ps(lo[g][c], (__m512bh)pair_lo[c], (__m512bh)p);
+      hi[g][c] = _mm512_dpbf16_ps(hi[g][c], (__m512bh)pair_hi[c], (__m512bh)p);
+    }
+  }
+}
+
+// The P.V pass for kHeads of the group's heads: probs [kHeads][padded] bf16 (zero past len).
+template <int kHeads, int kChunks>
+void weigh_values(const uint16_t* v_cache, const int64_t* slots, int64_t len, int64_t row, int64_t h,
+                  const uint16_t* probs, int64_t padded, const float* inv_sum, uint16_t* out,
+                  const RowPrefetch& ahead) {
+  constexpr int64_t dim = 32 * kChunks;
+  __m512 lo[kHeads][kChunks], hi[kHeads][kChunks];
+  for (int g = 0; g < kHeads; ++g)
+    for (int c = 0; c < kChunks; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
+  const auto* prob_pairs = reinterpret_cast<const uint32_t*>(probs);
+  for (int64_t j = 0; j < len; j += 2) {
+    if (j + kPrefetch + 1 < len && ahead.count) {
+      prefetch_row(v_cache + slots[j + kPrefetch] * row + ahead.first, ahead.count);
+      prefetch_row(v_cache + slots[j + kPrefetch + 1] * row + ahead.first, ahead.count);
+    }
+    __m512i first[kChunks], second[kChunks];
+    const uint16_t* a = v_cache + slots[j] * row + h * dim;
+    for (int c = 0; c < kChunks; ++c) first[c] = _mm512_loadu_si512(a + 32 * c);
+    if (j + 1 < len) {
+      const uint16_t* b = v_cache + slots[j + 1] * row + h * dim;
+      for (int c = 0; c < kChunks; ++c) second[c] = _mm512_loadu_si512(b + 32 * c);
+    } else {
+      for (int c = 0; c < kChunks; ++c) second[c] = _mm512_setzero_si512();
+    }
+    accumulate_pair<kHeads, kChunks>(first, second, prob_pairs + j / 2, padded / 2, lo, hi);
+  }
+  // natural order: dims 0-3 from lo lanes 0-3, 4-7 from hi 0-3, 8-11 lo 4-7, ...
+  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int g = 0; g < kHeads; ++g) {
+    const __m512 scale = _mm512_set1_ps(inv_sum[g]);
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512 a = _mm512_mul_ps(_mm512_permutex2var_ps(lo[g][c], first_half, hi[g][c]), scale);
+      const __m512 b = _mm512_mul_ps(_mm512_permutex2var_ps(lo[g][c], second_half, hi[g][c]), scale);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * dim + 32 * c), (__m256i)_mm512_cvtneps_pbh(a));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * dim + 32 * c + 16), (__m256i)_mm512_cvtneps_pbh(b));
+    }
+  }
+}
+
+// attend_one for bf16 heads of 32 * kChunks dims in bf16 dot products: the scores of 16 keys
+// at a time (one dot product per key and head, their lane sums batched), the softmax on 16
+// lanes, and P.V on pairs of keys with the weights rounded to bf16.
+template <int kChunks>
+void attend_one_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* slots,
+                     int64_t len, uint16_t* out, int64_t h, int64_t num_kv_heads, int64_t group, float scale,
+                     float softcap, const RowPrefetch& ahead, std::vector<float>& scores,
+                     std::vector<float>& inv_sum, std::vector<uint16_t>& probs) {
+  constexpr int64_t dim = 32 * kChunks;
+  const int64_t row = num_kv_heads * dim;
+  const int64_t padded = (len + 15) / 16 * 16;
+  scores.resize(group * padded);
+  probs.resize(group * padded);
+  inv_sum.resize(group);
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const int64_t count = std::min<int64_t>(16, len - j0);
+    for (int64_t j = j0; j < j0 + count && ahead.count; ++j)
+      if (j + kPrefetch < len) prefetch_row(k_cache + slots[j + kPrefetch] * row + ahead.first, ahead.count);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512i query[kChunks];
+      for (int c = 0; c < kChunks; ++c) query[c] = _mm512_loadu_si512(q + g * dim + 32 * c);
+      __m512 partial[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        partial[j] = _mm512_setzero_ps();
+        if (j >= count) continue;
+        const uint16_t* key = k_cache + slots[j0 + j] * row + h * dim;
+        for (int c = 0; c < kChunks; ++c)
+          partial[j] = _mm512_dpbf16_ps(partial[j], (__m512bh)_mm512_loadu_si512(key + 32 * c), (__m512bh)query[c]);
+      }
+      _mm512_storeu_ps(scores.data() + g * padded + j0, _mm512_mul_ps(sum_lanes_of_16(partial), _mm512_set1_ps(scale)));
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores.data() + g * padded;
+    if (softcap > 0.f) {
+      for (int64_t j = 0; j < len; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
+    }
+    __m512 peak = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < padded; j += 16) {
+      const __mmask16 live = j + 16 <= len ? 0xffff : static_cast<__mmask16>((1u << (len - j)) - 1);
+      peak = _mm512_mask_max_ps(peak, live, peak, _mm512_loadu_ps(s + j));
+    }
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < padded; j += 16) {
+      const __mmask16 live = j + 16 <= len ? 0xffff : static_cast<__mmask16>((1u << (len - j)) - 1);
+      const __m512 p = _mm512_maskz_mov_ps(live, exp_vec(_mm512_sub_ps(_mm512_loadu_ps(s + j), top)));
+      const __m256i bits = (__m256i)_mm512_cvtneps_pbh(p);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs.data() + g * padded + j), bits);
+      total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+    }
+    inv_sum[g] = 1.f / _mm512_reduce_add_ps(total);  // the sum of the weights P.V uses
+  }
+  // P.V for up to kHeadsPerPass heads at a time: their accumulators stay in registers
+  constexpr int kHeadsPerPass = kChunks <= 2 ? 4 : 2;
+  for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
+    const int64_t heads = std::min<int64_t>(kHeadsPerPass, group - g0);
+    const uint16_t* p = probs.data() + g0 * padded;
+    uint16_t* o = out + g0 * dim;
+    switch (heads) {
+      case 4: weigh_values<4, kChunks>(v_cache, slots, len, row, h, p, padded, inv_sum.data() + g0, o, ahead); break;
+      case 3: weigh_values<3, kChunks>(v_cache, slots, len, row, h, p, padded, inv_sum.data() + g0, o, ahead); break;
+      case 2: weigh_values<2, kChunks>(v_cache, slots, len, row, h, p, padded, inv_sum.data() + g0, o, ahead); break;
+      default: weigh_values<1, kChunks>(v_cache, slots, len, row, h, p, padded, inv_sum.data() + g0, o, ahead); break;
+    }
+  }
+}
+#endif
+
 // Work items are (request, kv head): the G query heads of a kv head are scored against each K
 // row while it is in registers, and a request's three or more items keep both threads busy
 // even at batch 1. at::parallel_for runs on torch's own OpenMP team (built with -fopenmp; the
@@ -96,6 +257,37 @@ void decode_attention_kernel(
     float scale, int64_t window, float softcap) {
   const int64_t dim = kDim > 0 ? kDim : runtime_dim;
   const int64_t group = num_heads / num_kv_heads;
+#ifdef RADIXGEN_BF16_DOT
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && (kDim == 64 || kDim == 128)) {
+    // With requests enough to share out, an item is a whole request: its kv heads one after
+    // the other on one thread, the first pass fetching whole pool rows (all kv heads, ~6 cache
+    // lines in a row) and the later ones finding them in cache. Items of one kv head read a
+    // third of each row and left DRAM fetching the rest apart, three times.
+    const bool whole_rows = batch >= 4 * at::get_num_threads();
+    const int64_t heads_per_item = whole_rows ? num_kv_heads : 1;
+    at::parallel_for(0, batch * num_kv_heads / heads_per_item, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, inv_sum;
+      std::vector<uint16_t> probs;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item * heads_per_item / num_kv_heads;
+        const int64_t first = window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0;
+        const int64_t* slots = req_to_token + rows[b] * row_stride + first;
+        for (int64_t h = item * heads_per_item % num_kv_heads, n = 0; n < heads_per_item; ++h, ++n) {
+          const RowPrefetch ahead = !whole_rows ? RowPrefetch{h * kDim, kDim}
+                                    : n == 0    ? RowPrefetch{0, num_kv_heads * kDim}
+                                                : RowPrefetch{0, 0};
+          const int64_t offset = (b * num_heads + h * group) * kDim;
+          attend_one_bf16<kDim / 32>(reinterpret_cast<const uint16_t*>(q + offset),
+                                     reinterpret_cast<const uint16_t*>(k_cache),
+                                     reinterpret_cast<const uint16_t*>(v_cache), slots, seq_lens[b] - first,
+                                     reinterpret_cast<uint16_t*>(out + offset), h, num_kv_heads, group, scale,
+                                     softcap, ahead, scores, inv_sum, probs);
+        }
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query, scores, acc, inv_sum;
     for (int64_t item = begin; item < end; ++item) {
@@ -104,8 +296,8 @@ void decode_attention_kernel(
       // a sliding window reads the last `window` keys only (slot index == position)
       const int64_t first = window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0;
       attend_one<scalar_t, kDim>(q + offset, k_cache, v_cache, req_to_token + rows[b] * row_stride + first,
-                                 seq_lens[b] - first, out + offset, h, num_kv_heads, group, dim, scale,
-                                 softcap, query, scores, acc, inv_sum);
+                                 seq_lens[b] - first, out + offset, h, num_kv_heads, group, dim, scale, softcap,
+                                 query, scores, acc, inv_sum);
     }
   });
 }

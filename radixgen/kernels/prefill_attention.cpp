@@ -24,17 +24,15 @@
 #include <memory>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define RADIXGEN_PREFILL_NATIVE 1
-#endif
-
 namespace {
 
 constexpr int64_t kQueryBlock = 16;
 constexpr int64_t kKeyBlock = 64;
 
 using radixgen::exp_approx;
+#ifdef RADIXGEN_BF16_DOT
+using radixgen::exp_vec;
+#endif
 
 inline float bf16_bits_to_float(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -78,7 +76,7 @@ void pack_kv(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* sl
 // scores[r][j] = q_r . k_j for the block's kQueryBlock rows and kKeyBlock keys (unscaled).
 void block_scores(const uint32_t* query_words, const uint32_t* key_block, int64_t words, int64_t live_rows,
                   float* scores) {
-#ifdef RADIXGEN_PREFILL_NATIVE
+#ifdef RADIXGEN_BF16_DOT
   for (int64_t r = 0; r < live_rows; r += 4) {
     __m512 acc[4][4];
     for (auto& row : acc)
@@ -109,7 +107,7 @@ void block_scores(const uint32_t* query_words, const uint32_t* key_block, int64_
 #endif
 }
 
-#ifdef RADIXGEN_PREFILL_NATIVE
+#ifdef RADIXGEN_BF16_DOT
 // out[r][d0 .. d0 + 16 * kChunks) = out * rescale[r] + sum_t probs(r, t) . values(t, d), 4 rows at a time.
 template <int kChunks>
 inline void accumulate_chunks(const uint32_t* prob_words, const uint32_t* value_block, const float* rescale,
@@ -132,29 +130,12 @@ inline void accumulate_chunks(const uint32_t* prob_words, const uint32_t* value_
     for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(out + (r + i) * dim + d0 + 16 * c, acc[i][c]);
 }
 
-// exp_approx's arithmetic on 16 lanes; scalef builds the 2^n.
-inline __m512 exp_vec(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 #endif
 
 // out[r][d] = out[r][d] * rescale[r] + sum_j probs[r][j] * v_j[d] over the block's keys.
 void block_accumulate(const uint32_t* prob_words, const uint32_t* value_block, const float* rescale, int64_t dim,
                       int64_t live_rows, float* out) {
-#ifdef RADIXGEN_PREFILL_NATIVE
+#ifdef RADIXGEN_BF16_DOT
   if (dim % 16 == 0) {
     for (int64_t r = 0; r < live_rows; r += 4) {
       int64_t d0 = 0;
@@ -192,7 +173,7 @@ struct BlockGeometry {
 // row's running max and sum; returns the factor its output so far must be scaled by.
 float row_softmax(float* row, int64_t position, const BlockGeometry& geo, float scale, float softcap,
                   float& running_max, float& running_sum, uint16_t* probs) {
-#ifdef RADIXGEN_PREFILL_NATIVE
+#ifdef RADIXGEN_BF16_DOT
   if (softcap == 0.f) {
     constexpr int kVecs = kKeyBlock / 16;
     __m512 x[kVecs];
@@ -303,7 +284,7 @@ void attend_query_block(const uint16_t* q, int64_t q_stride, int64_t num_rows, i
 }  // namespace
 
 bool prefill_attention_native() {
-#ifdef RADIXGEN_PREFILL_NATIVE
+#ifdef RADIXGEN_BF16_DOT
   return true;
 #else
   return false;
