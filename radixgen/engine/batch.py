@@ -91,10 +91,13 @@ def build_attention_plan(
     plan: StepPlan, req_to_token: torch.Tensor, device: torch.device, dtype: torch.dtype,
     decode_kernel: Callable[..., torch.Tensor] | None = None, per_request_prefill: bool | None = None,
     prefill_kernel: Callable[..., torch.Tensor] | None = None,
+    shared_prefix_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
 ) -> AttentionPlan:
     """Device tensors for attention, built once per step and shared by every layer.
     ``decode_kernel``: the pool-reading decode kernel, used for decode steps when given.
     ``prefill_kernel``: the pool-reading prefill kernel, used for prefill (parts of) steps when given.
+    ``shared_prefix_kernel``: with ``decode_kernel``, attends a prefix several decode rows share
+    once for all of them (see ``shared_prefixes``).
     ``per_request_prefill``: attend prefill requests one by one (default: on CPU) rather than
     padded to the longest under one mask (elsewhere one masked call beats a launch per request)."""
     if per_request_prefill is None:
@@ -112,7 +115,8 @@ def build_attention_plan(
         head, tail = plan.split_mixed()
         attn = build_attention_plan(
             head, req_to_token, device, dtype, decode_kernel, per_request_prefill, prefill_kernel)
-        attn.decode_tail = build_attention_plan(tail, req_to_token, device, dtype, decode_kernel)
+        attn.decode_tail = build_attention_plan(
+            tail, req_to_token, device, dtype, decode_kernel, shared_prefix_kernel=shared_prefix_kernel)
         attn.num_prefill_tokens = head.num_tokens
         attn.out_cache_loc = torch.from_numpy(plan.out_cache_loc).to(device)
         return attn
@@ -130,11 +134,16 @@ def build_attention_plan(
         return AttentionPlan(out_cache_loc, None, None, None, None, is_decode=False, spans=spans)
 
     if plan.kind is StepKind.DECODE and decode_kernel is not None:
-        return AttentionPlan(
+        attn = AttentionPlan(
             out_cache_loc, None, None, None, None, is_decode=True, decode_kernel=decode_kernel,
             req_to_token=req_to_token, rows=torch.from_numpy(plan.rows).to(device),
             seq_lens=torch.from_numpy(plan.seq_lens).to(device),
         )
+        sharing = shared_prefixes(req_to_token, plan.rows, plan.seq_lens) if shared_prefix_kernel is not None else None
+        if sharing is not None:
+            attn.shared_prefix_kernel = shared_prefix_kernel
+            attn.shared_prefix, attn.group_leader = (torch.from_numpy(a).to(device) for a in sharing)
+        return attn
 
     prefix = torch.from_numpy(plan.prefix_lens).to(device)
     extend = torch.from_numpy(plan.extend_lens).to(device)
@@ -166,6 +175,43 @@ def build_attention_plan(
         out_cache_loc, kv_indices, additive_mask(visible.unsqueeze(1), dtype), query_index, query_unpad,
         is_decode=False, query_positions=prefix[:, None] + q_pos[None, :],
     )
+
+
+MIN_SHARED_PREFIX = 64
+"""Keys decode rows must share for their prefix to be attended once for the group."""
+
+
+def shared_prefixes(
+    req_to_token: torch.Tensor, rows: np.ndarray, seq_lens: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Decode rows whose sequences begin with the same pool slots (a prompt prefix the radix
+    tree shares): (keys each row shares with its group, 0 for none; the batch index of its
+    group's first row), or None when no two rows share ``MIN_SHARED_PREFIX`` keys. Rows are
+    grouped by the slot at key ``MIN_SHARED_PREFIX - 1`` (a slot belongs to one tree path, so
+    rows holding it share everything before it), and a group shares the common run of its rows,
+    short of each row's newest key."""
+    if len(rows) < 2:
+        return None
+    table = req_to_token.numpy()
+    eligible = np.flatnonzero(seq_lens > MIN_SHARED_PREFIX)
+    if len(eligible) < 2:
+        return None
+    marks = table[rows[eligible], MIN_SHARED_PREFIX - 1]
+    order = np.argsort(marks, kind="stable")
+    shared = np.zeros(len(rows), dtype=np.int64)
+    leader = np.arange(len(rows), dtype=np.int64)
+    for members in np.split(eligible[order], np.flatnonzero(np.diff(marks[order])) + 1):
+        if len(members) < 2:
+            continue
+        limit = int(seq_lens[members].min()) - 1
+        block = table[rows[members], :limit]
+        same = (block == block[0]).all(axis=0)
+        length = limit if same.all() else int(np.argmin(same))
+        if length >= MIN_SHARED_PREFIX:
+            members = np.sort(members)
+            shared[members] = length
+            leader[members] = members[0]
+    return (shared, leader) if shared.any() else None
 
 
 def _prefill_spans(

@@ -50,6 +50,9 @@ class ModelRunner:
         native = self.kernels if attention_backend == "auto" else None
         self.decode_kernel = native.decode_attention if native else None
         self.prefill_kernel = native.prefill_attention_for(pool.k.dtype) if native else None
+        self.shared_prefix_kernel = (
+            native.shared_prefix_attention_for(pool.k.dtype, pool.k.shape[-1]) if native else None
+        )
         if small_linear_max_tokens <= 0:
             model.drop_plain_weights()
 
@@ -80,7 +83,7 @@ class ModelRunner:
         device = self.device
         attn = build_attention_plan(
             plan, self.pool.req_to_token, device, self.pool.k.dtype, self.decode_kernel,
-            prefill_kernel=self.prefill_kernel,
+            prefill_kernel=self.prefill_kernel, shared_prefix_kernel=self.shared_prefix_kernel,
         )
         input_ids = torch.from_numpy(plan.input_ids).to(device)
         positions = torch.from_numpy(plan.positions).to(device)

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name) for name in (
     "kernels.cpp", "decode_attention.cpp", "prefill_attention.cpp", "small_linear.cpp", "fused_ops.cpp", "quant_linear.cpp", "common.h")]
 _UNIT = "kernels.cpp"  # includes the other sources
-_OPS = ("decode_attention", "prefill_attention", "prefill_attention_native", "small_linear", "rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul", "quant_linear",
+_OPS = ("decode_attention", "prefill_attention", "prefill_attention_native", "shared_prefix_attention", "small_linear", "rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul", "quant_linear",
         "quant_dequantize")
 # Release flags that keep IEEE semantics apart from reassociation (so the dot products
 # vectorise); -ffast-math would link crtfastmath and flush denormals process-wide. -fopenmp:
@@ -68,6 +68,7 @@ class CpuKernels:
     decode_attention: Any
     prefill_attention: Any
     prefill_attention_native: Any
+    shared_prefix_attention: Any
     small_linear: Any
     rms_norm: Any
     add_rms_norm: Any
@@ -83,6 +84,12 @@ class CpuKernels:
         """The prefill kernel where it is the faster path (bfloat16 on a CPU with AVX-512 BF16;
         elsewhere its plain loops are not known to beat PyTorch's flash kernel), else None."""
         return self.prefill_attention if dtype == torch.bfloat16 and self.prefill_attention_native() else None
+
+    def shared_prefix_attention_for(self, dtype: torch.dtype, head_dim: int) -> Any:
+        """The shared-prefix decode attention where it runs (as ``prefill_attention_for``, for
+        heads of 64 or 128: the decode kernel's bf16 dot-product path extends it), else None."""
+        runs = dtype == torch.bfloat16 and head_dim in (64, 128) and self.prefill_attention_native()
+        return self.shared_prefix_attention if runs else None
 
 
 def cpu_kernels() -> CpuKernels | None:

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -96,6 +97,15 @@ struct RowPrefetch {
   int64_t count;
 };
 
+// Attention already computed over keys before this item's (a shared prefix): per query head of
+// the item, the unnormalised output [dim] relative to `max`, and the sum of its weights. The
+// item's keys extend it (split attention merged by log-sum-exp). out == nullptr: none.
+struct PriorAttention {
+  const float* out = nullptr;
+  const float* max = nullptr;
+  const float* sum = nullptr;
+};
+
 // Sixteen 16-lane partial sums -> one vector whose lane j is the sum of v[j]'s lanes: four
 // rounds of pairwise shuffles and adds (quarters, then halves of quarters, then lanes), then
 // one permute undoes the order they leave the sums in.
@@ -140,7 +150,7 @@ inline void accumulate_pair(const __m512i* first, const __m512i* second, const u
 template <int kHeads, int kChunks>
 void weigh_values(const uint16_t* v_cache, const int64_t* slots, int64_t len, int64_t row, int64_t h,
                   const uint16_t* probs, int64_t padded, const float* inv_sum, uint16_t* out,
-                  const RowPrefetch& ahead) {
+                  const RowPrefetch& ahead, const float* prior_out, const float* prior_scale) {
   constexpr int64_t dim = 32 * kChunks;
   __m512 lo[kHeads][kChunks], hi[kHeads][kChunks];
   for (int g = 0; g < kHeads; ++g)
@@ -168,8 +178,15 @@ void weigh_values(const uint16_t* v_cache, const int64_t* slots, int64_t len, in
   for (int g = 0; g < kHeads; ++g) {
     const __m512 scale = _mm512_set1_ps(inv_sum[g]);
     for (int c = 0; c < kChunks; ++c) {
-      const __m512 a = _mm512_mul_ps(_mm512_permutex2var_ps(lo[g][c], first_half, hi[g][c]), scale);
-      const __m512 b = _mm512_mul_ps(_mm512_permutex2var_ps(lo[g][c], second_half, hi[g][c]), scale);
+      __m512 a = _mm512_permutex2var_ps(lo[g][c], first_half, hi[g][c]);
+      __m512 b = _mm512_permutex2var_ps(lo[g][c], second_half, hi[g][c]);
+      if (prior_out != nullptr) {
+        const __m512 weight = _mm512_set1_ps(prior_scale[g]);
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(prior_out + g * dim + 32 * c), weight, a);
+        b = _mm512_fmadd_ps(_mm512_loadu_ps(prior_out + g * dim + 32 * c + 16), weight, b);
+      }
+      a = _mm512_mul_ps(a, scale);
+      b = _mm512_mul_ps(b, scale);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * dim + 32 * c), (__m256i)_mm512_cvtneps_pbh(a));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * dim + 32 * c + 16), (__m256i)_mm512_cvtneps_pbh(b));
     }
@@ -182,14 +199,16 @@ void weigh_values(const uint16_t* v_cache, const int64_t* slots, int64_t len, in
 template <int kChunks>
 void attend_one_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* slots,
                      int64_t len, uint16_t* out, int64_t h, int64_t num_kv_heads, int64_t group, float scale,
-                     float softcap, const RowPrefetch& ahead, std::vector<float>& scores,
-                     std::vector<float>& inv_sum, std::vector<uint16_t>& probs) {
+                     float softcap, const RowPrefetch& ahead, const PriorAttention& prior,
+                     std::vector<float>& scores, std::vector<float>& inv_sum, std::vector<float>& prior_scale,
+                     std::vector<uint16_t>& probs) {
   constexpr int64_t dim = 32 * kChunks;
   const int64_t row = num_kv_heads * dim;
   const int64_t padded = (len + 15) / 16 * 16;
   scores.resize(group * padded);
   probs.resize(group * padded);
   inv_sum.resize(group);
+  prior_scale.assign(group, 0.f);
   for (int64_t j0 = 0; j0 < len; j0 += 16) {
     const int64_t count = std::min<int64_t>(16, len - j0);
     for (int64_t j = j0; j < j0 + count && ahead.count; ++j)
@@ -218,7 +237,9 @@ void attend_one_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
       const __mmask16 live = j + 16 <= len ? 0xffff : static_cast<__mmask16>((1u << (len - j)) - 1);
       peak = _mm512_mask_max_ps(peak, live, peak, _mm512_loadu_ps(s + j));
     }
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+    float highest = _mm512_reduce_max_ps(peak);
+    if (prior.out != nullptr) highest = std::max(highest, prior.max[g]);
+    const __m512 top = _mm512_set1_ps(highest);
     __m512 total = _mm512_setzero_ps();
     for (int64_t j = 0; j < padded; j += 16) {
       const __mmask16 live = j + 16 <= len ? 0xffff : static_cast<__mmask16>((1u << (len - j)) - 1);
@@ -227,7 +248,12 @@ void attend_one_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs.data() + g * padded + j), bits);
       total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
     }
-    inv_sum[g] = 1.f / _mm512_reduce_add_ps(total);  // the sum of the weights P.V uses
+    float weights = _mm512_reduce_add_ps(total);  // the sum of the weights P.V uses
+    if (prior.out != nullptr && prior.max[g] != -INFINITY) {
+      prior_scale[g] = exp_approx(prior.max[g] - highest);
+      weights += prior.sum[g] * prior_scale[g];
+    }
+    inv_sum[g] = 1.f / weights;
   }
   // P.V for up to kHeadsPerPass heads at a time: their accumulators stay in registers
   constexpr int kHeadsPerPass = kChunks <= 2 ? 4 : 2;
@@ -235,11 +261,12 @@ void attend_one_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
     const int64_t heads = std::min<int64_t>(kHeadsPerPass, group - g0);
     const uint16_t* p = probs.data() + g0 * padded;
     uint16_t* o = out + g0 * dim;
+    const float* prior_o = prior.out != nullptr ? prior.out + g0 * dim : nullptr;
     switch (heads) {
-      case 4: weigh_values<4, kChunks>(v_cache, slots, len, row, h, p, padded, inv_sum.data() + g0, o, ahead); break;
-      case 3: weigh_values<3, kChunks>(v_cache, slots, len, row, h, p, padded, inv_sum.data() + g0, o, ahead); break;
-      case 2: weigh_values<2, kChunks>(v_cache, slots, len, row, h, p, padded, inv_sum.data() + g0, o, ahead); break;
-      default: weigh_values<1, kChunks>(v_cache, slots, len, row, h, p, padded, inv_sum.data() + g0, o, ahead); break;
+      case 4: weigh_values<4, kChunks>(v_cache, slots, len, row, h, p, padded, inv_sum.data() + g0, o, ahead, prior_o, prior_scale.data() + g0); break;
+      case 3: weigh_values<3, kChunks>(v_cache, slots, len, row, h, p, padded, inv_sum.data() + g0, o, ahead, prior_o, prior_scale.data() + g0); break;
+      case 2: weigh_values<2, kChunks>(v_cache, slots, len, row, h, p, padded, inv_sum.data() + g0, o, ahead, prior_o, prior_scale.data() + g0); break;
+      default: weigh_values<1, kChunks>(v_cache, slots, len, row, h, p, padded, inv_sum.data() + g0, o, ahead, prior_o, prior_scale.data() + g0); break;
     }
   }
 }
@@ -254,7 +281,8 @@ void decode_attention_kernel(
     const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
     const int64_t* req_to_token, int64_t row_stride, const int64_t* rows, const int64_t* seq_lens,
     scalar_t* out, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t runtime_dim,
-    float scale, int64_t window, float softcap) {
+    float scale, int64_t window, float softcap, const int64_t* key_start, const float* prior_out,
+    const float* prior_max, const float* prior_sum) {
   const int64_t dim = kDim > 0 ? kDim : runtime_dim;
   const int64_t group = num_heads / num_kv_heads;
 #ifdef RADIXGEN_BF16_DOT
@@ -266,22 +294,27 @@ void decode_attention_kernel(
     const bool whole_rows = batch >= 4 * at::get_num_threads();
     const int64_t heads_per_item = whole_rows ? num_kv_heads : 1;
     at::parallel_for(0, batch * num_kv_heads / heads_per_item, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, inv_sum;
+      std::vector<float> scores, inv_sum, prior_scale;
       std::vector<uint16_t> probs;
       for (int64_t item = begin; item < end; ++item) {
         const int64_t b = item * heads_per_item / num_kv_heads;
-        const int64_t first = window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0;
+        const bool extends = key_start != nullptr && key_start[b] > 0;  // keys before key_start[b] done already
+        const int64_t first = extends ? key_start[b] : window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0;
         const int64_t* slots = req_to_token + rows[b] * row_stride + first;
         for (int64_t h = item * heads_per_item % num_kv_heads, n = 0; n < heads_per_item; ++h, ++n) {
           const RowPrefetch ahead = !whole_rows ? RowPrefetch{h * kDim, kDim}
                                     : n == 0    ? RowPrefetch{0, num_kv_heads * kDim}
                                                 : RowPrefetch{0, 0};
           const int64_t offset = (b * num_heads + h * group) * kDim;
+          const int64_t head0 = b * num_heads + h * group;
+          const PriorAttention prior = extends ? PriorAttention{prior_out + head0 * kDim, prior_max + head0,
+                                                                prior_sum + head0}
+                                               : PriorAttention{};
           attend_one_bf16<kDim / 32>(reinterpret_cast<const uint16_t*>(q + offset),
                                      reinterpret_cast<const uint16_t*>(k_cache),
                                      reinterpret_cast<const uint16_t*>(v_cache), slots, seq_lens[b] - first,
                                      reinterpret_cast<uint16_t*>(out + offset), h, num_kv_heads, group, scale,
-                                     softcap, ahead, scores, inv_sum, probs);
+                                     softcap, ahead, prior, scores, inv_sum, prior_scale, probs);
         }
       }
     });
@@ -306,7 +339,8 @@ template <typename scalar_t>
 void dispatch_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& req_to_token, const at::Tensor& rows,
                   const at::Tensor& seq_lens, at::Tensor& out, double scale, int64_t window,
-                  double softcap) {
+                  double softcap, const int64_t* key_start, const float* prior_out, const float* prior_max,
+                  const float* prior_sum) {
   const int64_t batch = q.size(0), num_heads = q.size(1), dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1);
   auto run = [&](auto dim_tag) {
@@ -315,7 +349,8 @@ void dispatch_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
         req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), rows.data_ptr<int64_t>(),
         seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch, num_heads, num_kv_heads,
-        dim, static_cast<float>(scale), window, static_cast<float>(softcap));
+        dim, static_cast<float>(scale), window, static_cast<float>(softcap), key_start, prior_out, prior_max,
+        prior_sum);
   };
   if (dim == 64) run(std::integral_constant<int, 64>{});
   else if (dim == 128) run(std::integral_constant<int, 128>{});
@@ -326,7 +361,9 @@ void dispatch_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
 at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                at::Tensor req_to_token, at::Tensor rows,
-                               at::Tensor seq_lens, double scale, int64_t window, double softcap) {
+                               at::Tensor seq_lens, double scale, int64_t window, double softcap,
+                               const std::optional<at::Tensor>& key_start, const std::optional<at::Tensor>& prior_out,
+                               const std::optional<at::Tensor>& prior_max, const std::optional<at::Tensor>& prior_sum) {
   TORCH_CHECK(q.device().is_cpu(), "decode_attention is the CPU kernel");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [B,H,D], caches [S,KVH,D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -351,15 +388,46 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache
                 "request ", b, ": row ", row_ptr[b], " / length ", len_ptr[b], " outside req_to_token ",
                 req_to_token.sizes());
   }
+  // Extending attention over a shared prefix (shared_prefix_attention's output): the bf16
+  // dot-product path only, no window.
+  const int64_t* start_ptr = nullptr;
+  const float *prior_out_ptr = nullptr, *prior_max_ptr = nullptr, *prior_sum_ptr = nullptr;
+  at::Tensor start_c, out_c, max_c, sum_c;
+  if (key_start.has_value()) {
+#ifdef RADIXGEN_BF16_DOT
+    const bool extendable = q.scalar_type() == at::kBFloat16 && (q.size(2) == 64 || q.size(2) == 128);
+#else
+    const bool extendable = false;
+#endif
+    TORCH_CHECK(extendable && window == 0, "key_start needs bf16 heads of 64 or 128, AVX-512 BF16 and no window");
+    TORCH_CHECK(prior_out.has_value() && prior_max.has_value() && prior_sum.has_value(), "key_start needs the prior");
+    start_c = key_start->contiguous();
+    out_c = prior_out->contiguous();
+    max_c = prior_max->contiguous();
+    sum_c = prior_sum->contiguous();
+    TORCH_CHECK(start_c.scalar_type() == at::kLong && start_c.numel() == q.size(0), "key_start: int64 per request");
+    TORCH_CHECK(out_c.scalar_type() == at::kFloat && out_c.numel() == q.numel() && max_c.numel() == q.size(0) * q.size(1) &&
+                    sum_c.numel() == max_c.numel(),
+                "prior: float32 [B,H,D], [B,H], [B,H]");
+    start_ptr = start_c.data_ptr<int64_t>();
+    for (int64_t b = 0; b < q.size(0); ++b)
+      TORCH_CHECK(start_ptr[b] >= 0 && start_ptr[b] < len_ptr[b], "request ", b, ": key_start ", start_ptr[b],
+                  " leaves no key of its own (length ", len_ptr[b], ")");
+    prior_out_ptr = out_c.data_ptr<float>();
+    prior_max_ptr = max_c.data_ptr<float>();
+    prior_sum_ptr = sum_c.data_ptr<float>();
+  }
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
-    dispatch_dim<scalar_t>(q, k_cache, v_cache, req_to_token, rows, seq_lens, out, scale, window, softcap);
+    dispatch_dim<scalar_t>(q, k_cache, v_cache, req_to_token, rows, seq_lens, out, scale, window, softcap, start_ptr,
+                           prior_out_ptr, prior_max_ptr, prior_sum_ptr);
   });
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(radixgen, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor rows, "
-        "Tensor seq_lens, float scale, int window=0, float softcap=0.0) -> Tensor");
+        "Tensor seq_lens, float scale, int window=0, float softcap=0.0, Tensor? key_start=None, "
+        "Tensor? prior_out=None, Tensor? prior_max=None, Tensor? prior_sum=None) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
 }

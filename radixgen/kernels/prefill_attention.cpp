@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -55,22 +56,97 @@ struct PackedKV {
   int64_t first;
 };
 
-void pack_kv(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* slots, int64_t first, int64_t len,
-             int64_t blocks, int64_t h, int64_t kv_heads, int64_t dim, uint32_t* keys, uint32_t* values) {
+// The packed K/V of a call, kept per calling thread and grown, never shrunk: a fresh allocation
+// of this size is fresh pages from the OS each call, and their faults cost as much as the
+// packing itself (~1 ms per 1.1k keys of three kv heads in this VM).
+struct PackBuffers {
+  std::unique_ptr<uint32_t[]> keys, values;  // uninitialised: pack_kv writes (or zeroes) every word used
+  int64_t capacity = 0;
+};
+
+constexpr int64_t kKeptPackWords = int64_t{4} << 20;  // 16 MB each for K and V, ~130k keys of one kv head of 64
+
+// The calling thread's kept buffers, or `oversized` (the caller's, freed with it) past the cap.
+PackBuffers& pack_buffers(int64_t words, PackBuffers& oversized) {
+  thread_local PackBuffers buffers;
+  if (words > kKeptPackWords) {  // rare (a huge prefill step): not kept
+    oversized.keys.reset(new uint32_t[words]);
+    oversized.values.reset(new uint32_t[words]);
+    oversized.capacity = words;
+    return oversized;
+  }
+  if (buffers.capacity < words) {
+    buffers.keys.reset(new uint32_t[words]);
+    buffers.values.reset(new uint32_t[words]);
+    buffers.capacity = words;
+  }
+  return buffers;
+}
+
+// Block `blk` of one (request, kv head)'s packed keys and values (layout above). A block past
+// the sequence's end is zero.
+void pack_block(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* slots, int64_t first, int64_t len,
+                int64_t blk, int64_t h, int64_t kv_heads, int64_t dim, uint32_t* keys, uint32_t* values) {
   const int64_t row = kv_heads * dim, words = dim / 2;
-  const int64_t padded = blocks * kKeyBlock;
-  std::memset(keys, 0, sizeof(uint32_t) * padded * words);
-  std::memset(values, 0, sizeof(uint32_t) * padded / 2 * dim);
-  for (int64_t j = 0; j < len - first; ++j) {
-    const int64_t slot = slots[first + j];
+  const int64_t start = first + blk * kKeyBlock, count = std::min<int64_t>(kKeyBlock, len - start);
+  uint32_t* key_block = keys + blk * words * kKeyBlock;
+  uint32_t* value_block = values + blk * (kKeyBlock / 2) * dim;
+  if (count < kKeyBlock) {
+    std::memset(key_block, 0, sizeof(uint32_t) * words * kKeyBlock);
+    std::memset(value_block, 0, sizeof(uint32_t) * (kKeyBlock / 2) * dim);
+  }
+  for (int64_t j = 0; j < count; ++j) {
     uint32_t key_words[256];
-    std::memcpy(key_words, k_cache + slot * row + h * dim, sizeof(uint16_t) * dim);
-    uint32_t* block = keys + (j / kKeyBlock) * words * kKeyBlock + j % kKeyBlock;
-    for (int64_t p = 0; p < words; ++p) block[p * kKeyBlock] = key_words[p];
-    const uint16_t* value = v_cache + slot * row + h * dim;
-    uint16_t* pair = reinterpret_cast<uint16_t*>(values + (j / 2) * dim) + (j % 2);
+    std::memcpy(key_words, k_cache + slots[start + j] * row + h * dim, sizeof(uint16_t) * dim);
+    for (int64_t p = 0; p < words; ++p) key_block[p * kKeyBlock + j] = key_words[p];
+  }
+#ifdef RADIXGEN_BF16_DOT
+  if (dim % 32 == 0) {  // two rows interleaved on 32 lanes; unpack works within 128-bit lanes, permute restores dim order
+    const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t j = 0; j < count; j += 2) {
+      const uint16_t* a = v_cache + slots[start + j] * row + h * dim;
+      const uint16_t* b = j + 1 < count ? v_cache + slots[start + j + 1] * row + h * dim : nullptr;
+      uint32_t* out = value_block + (j / 2) * dim;
+      for (int64_t c = 0; c < dim; c += 32) {
+        const __m512i x = _mm512_loadu_si512(a + c);
+        const __m512i y = b != nullptr ? _mm512_loadu_si512(b + c) : _mm512_setzero_si512();
+        const __m512i lo = _mm512_unpacklo_epi16(x, y), hi = _mm512_unpackhi_epi16(x, y);
+        _mm512_storeu_si512(out + c, _mm512_permutex2var_epi32(lo, first_half, hi));
+        _mm512_storeu_si512(out + c + 16, _mm512_permutex2var_epi32(lo, second_half, hi));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < count; ++j) {
+    const uint16_t* value = v_cache + slots[start + j] * row + h * dim;
+    uint16_t* pair = reinterpret_cast<uint16_t*>(value_block + (j / 2) * dim) + (j % 2);
     for (int64_t d = 0; d < dim; ++d) pair[2 * d] = value[d];
   }
+}
+
+// Every block of every (sequence, kv head): work items are single blocks, so a short batch of
+// long sequences still keeps every thread packing. Sequence i's blocks for kv head h go to
+// words h * words_per_head + offsets[i].
+void pack_all(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table, int64_t table_stride,
+              const std::vector<int64_t>& table_rows, const std::vector<int64_t>& firsts,
+              const std::vector<int64_t>& lens, const std::vector<int64_t>& blocks,
+              const std::vector<int64_t>& offsets, int64_t words_per_head, int64_t kv_heads, int64_t dim,
+              uint32_t* keys, uint32_t* values) {
+  const int64_t n = static_cast<int64_t>(blocks.size());
+  std::vector<int64_t> block_start(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) block_start[i + 1] = block_start[i] + blocks[i];
+  const int64_t total = block_start[n];
+  at::parallel_for(0, total * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / total, global = item % total;
+      const int64_t i = std::upper_bound(block_start.begin(), block_start.end(), global) - block_start.begin() - 1;
+      const int64_t offset = h * words_per_head + offsets[i];
+      pack_block(k_cache, v_cache, table + table_rows[i] * table_stride, firsts[i], lens[i], global - block_start[i],
+                 h, kv_heads, dim, keys + offset, values + offset);
+    }
+  });
 }
 
 // scores[r][j] = q_r . k_j for the block's kQueryBlock rows and kKeyBlock keys (unscaled).
@@ -249,15 +325,18 @@ struct Scratch {
   }
 };
 
-// One block of up to kQueryBlock queries of one head over its visible key blocks.
-void attend_query_block(const uint16_t* q, int64_t q_stride, int64_t num_rows, int64_t first_position,
-                        const PackedKV& kv, int64_t dim, float scale, int64_t window, float softcap,
-                        uint16_t* out, int64_t out_stride, Scratch& s) {
+// One block of up to kQueryBlock query rows of one head over its visible key blocks, into the
+// scratch's running max, sum and unnormalised output. Row r sits at position first_position + r,
+// or at first_position for every row when `same_position` (queries of several requests over
+// their shared prefix).
+void run_query_block(const uint16_t* q, int64_t q_stride, int64_t num_rows, int64_t first_position,
+                     bool same_position, const PackedKV& kv, int64_t dim, float scale, int64_t window,
+                     float softcap, Scratch& s) {
   const int64_t words = dim / 2;
   s.fit(dim);
   const int64_t live_rows = (num_rows + 3) / 4 * 4;  // the native tiles are 4 rows
   for (int64_t r = 0; r < num_rows; ++r) std::memcpy(&s.query_words[r * words], q + r * q_stride, sizeof(uint16_t) * dim);
-  const int64_t last_position = first_position + num_rows - 1;
+  const int64_t last_position = same_position ? first_position : first_position + num_rows - 1;
   // keys a row sees: (position - window, position]; without a window, [0, position]
   const int64_t lowest_key = window > 0 ? std::max<int64_t>(kv.first, first_position - window + 1) : kv.first;
   const int64_t first_block = (lowest_key - kv.first) / kKeyBlock;
@@ -267,13 +346,19 @@ void attend_query_block(const uint16_t* q, int64_t q_stride, int64_t num_rows, i
     geo.edge = geo.base + kKeyBlock - 1 > first_position || (window > 0 && geo.base <= last_position - window);
     block_scores(s.query_words.data(), kv.keys + blk * words * kKeyBlock, words, live_rows, s.scores.data());
     for (int64_t r = 0; r < num_rows; ++r) {
-      s.rescale[r] = row_softmax(s.scores.data() + r * kKeyBlock, first_position + r, geo, scale, softcap,
-                                 s.running_max[r], s.running_sum[r],
+      s.rescale[r] = row_softmax(s.scores.data() + r * kKeyBlock, same_position ? first_position : first_position + r,
+                                 geo, scale, softcap, s.running_max[r], s.running_sum[r],
                                  reinterpret_cast<uint16_t*>(s.prob_words.data()) + r * kKeyBlock);
     }
     block_accumulate(s.prob_words.data(), kv.values + blk * (kKeyBlock / 2) * dim, s.rescale.data(), dim,
                      live_rows, s.out.data());
   }
+}
+
+void attend_query_block(const uint16_t* q, int64_t q_stride, int64_t num_rows, int64_t first_position,
+                        const PackedKV& kv, int64_t dim, float scale, int64_t window, float softcap,
+                        uint16_t* out, int64_t out_stride, Scratch& s) {
+  run_query_block(q, q_stride, num_rows, first_position, false, kv, dim, scale, window, softcap, s);
   for (int64_t r = 0; r < num_rows; ++r) {
     const float inverse = 1.f / s.running_sum[r];
     const float* o = s.out.data() + r * dim;
@@ -339,20 +424,16 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
   TORCH_CHECK(tokens_seen == tokens, "extend_lens sum to ", tokens_seen, " but q has ", tokens, " tokens");
 
   const int64_t words_per_head = pack_offset[batch];
-  // uninitialised: pack_kv writes (or zeroes) every word
-  std::unique_ptr<uint32_t[]> packed_keys(new uint32_t[words_per_head * kv_heads]);
-  std::unique_ptr<uint32_t[]> packed_values(new uint32_t[words_per_head * kv_heads]);
+  PackBuffers oversized;
+  PackBuffers& packed = pack_buffers(words_per_head * kv_heads, oversized);
   const auto* k_bits = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
   const auto* v_bits = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, h = item % kv_heads;
-      const int64_t offset = h * words_per_head + pack_offset[b];
-      pack_kv(k_bits, v_bits, req_to_token.data_ptr<int64_t>() + row_of[b] * req_to_token.stride(0), first_key[b],
-              prefix_of[b] + extend_of[b], blocks[b], h, kv_heads, dim, packed_keys.get() + offset,
-              packed_values.get() + offset);
-    }
-  });
+  {
+    std::vector<int64_t> table_rows(row_of, row_of + batch), lens(batch);
+    for (int64_t b = 0; b < batch; ++b) lens[b] = prefix_of[b] + extend_of[b];
+    pack_all(k_bits, v_bits, req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), table_rows, first_key, lens,
+             blocks, pack_offset, words_per_head, kv_heads, dim, packed.keys.get(), packed.values.get());
+  }
 
   auto out = at::empty({tokens, heads, dim}, q.options());
   const auto* q_bits = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
@@ -366,7 +447,7 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
       const int64_t per_head = (item_start[b + 1] - item_start[b]) / heads;
       const int64_t h = (item - item_start[b]) / per_head, qb = (item - item_start[b]) % per_head;
       const int64_t offset = (h / group) * words_per_head + pack_offset[b];
-      const PackedKV kv{packed_keys.get() + offset, packed_values.get() + offset, first_key[b]};
+      const PackedKV kv{packed.keys.get() + offset, packed.values.get() + offset, first_key[b]};
       const int64_t token = query_start[b] + qb * kQueryBlock;
       attend_query_block(q_bits + token * q_stride + h * dim, q_stride,
                          std::min(kQueryBlock, extend_of[b] - qb * kQueryBlock), prefix_of[b] + qb * kQueryBlock,
@@ -377,10 +458,120 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
   return out;
 }
 
+// Decode rows that share a cached prefix (one system prompt under many requests) read the same
+// prefix keys once per row, as matrix-vector products. Here each group's prefix is attended by
+// all its rows at once, as the blocks above: the rows of a group and kv head (member x query
+// head of the kv head) are the queries, the prefix is packed once. The result is each row's
+// unnormalised output with its running max and sum, which decode_attention then extends over
+// the row's own keys (the log-sum-exp merge of split attention).
+//   shared_prefix[b]: keys of row b covered here (0: none); group_leader[b]: the batch index
+//   whose req_to_token row holds the group's prefix (every member's begins with the same slots).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> shared_prefix_attention(
+    at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor req_to_token, at::Tensor rows,
+    at::Tensor shared_prefix, at::Tensor group_leader, double scale, double softcap) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "shared_prefix_attention runs bfloat16 q [B,H,D] and contiguous caches");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
+  TORCH_CHECK(heads % kv_heads == 0 && dim == k_cache.size(2) && dim % 2 == 0 && dim <= 512, "bad head shapes");
+  rows = rows.contiguous();
+  shared_prefix = shared_prefix.contiguous();
+  group_leader = group_leader.contiguous();
+  TORCH_CHECK(rows.numel() == batch && shared_prefix.numel() == batch && group_leader.numel() == batch,
+              "one row, prefix and leader per request");
+  q = q.contiguous();
+  const int64_t* row_of = rows.data_ptr<int64_t>();
+  const int64_t* prefix_of = shared_prefix.data_ptr<int64_t>();
+  const int64_t* leader_of = group_leader.data_ptr<int64_t>();
+  const int64_t group = heads / kv_heads;
+
+  // groups: leader -> members (batch order)
+  std::vector<int64_t> leaders;
+  std::vector<std::vector<int64_t>> members;
+  std::vector<int64_t> group_index(batch, -1);
+  for (int64_t b = 0; b < batch; ++b) {
+    if (prefix_of[b] <= 0) continue;
+    const int64_t leader = leader_of[b];
+    TORCH_CHECK(leader >= 0 && leader < batch && prefix_of[leader] == prefix_of[b] && leader_of[leader] == leader,
+                "request ", b, ": its group's leader ", leader, " does not lead a group of its prefix");
+    TORCH_CHECK(prefix_of[b] <= req_to_token.size(1) && row_of[leader] >= 0 && row_of[leader] < req_to_token.size(0),
+                "request ", b, ": shared prefix outside req_to_token");
+    if (group_index[leader] < 0) {
+      group_index[leader] = static_cast<int64_t>(leaders.size());
+      leaders.push_back(leader);
+      members.emplace_back();
+    }
+    members[group_index[leader]].push_back(b);
+  }
+  auto raw_out = at::zeros({batch, heads, dim}, q.options().dtype(at::kFloat));
+  auto row_max = at::full({batch, heads}, -INFINITY, q.options().dtype(at::kFloat));
+  auto row_sum = at::zeros({batch, heads}, q.options().dtype(at::kFloat));
+  const int64_t num_groups = static_cast<int64_t>(leaders.size());
+  if (num_groups == 0) return {raw_out, row_max, row_sum};
+
+  std::vector<int64_t> pack_offset(num_groups + 1, 0), item_start(num_groups + 1, 0), blocks(num_groups);
+  for (int64_t g = 0; g < num_groups; ++g) {
+    blocks[g] = (prefix_of[leaders[g]] + kKeyBlock - 1) / kKeyBlock;
+    pack_offset[g + 1] = pack_offset[g] + blocks[g] * kKeyBlock * dim / 2;
+    const int64_t query_rows = static_cast<int64_t>(members[g].size()) * group;
+    item_start[g + 1] = item_start[g] + kv_heads * ((query_rows + kQueryBlock - 1) / kQueryBlock);
+  }
+  const int64_t words_per_head = pack_offset[num_groups];
+  PackBuffers oversized;
+  PackBuffers& packed = pack_buffers(words_per_head * kv_heads, oversized);
+  const auto* k_bits = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  const auto* v_bits = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  const int64_t* table = req_to_token.data_ptr<int64_t>();
+  {
+    std::vector<int64_t> table_rows(num_groups), firsts(num_groups, 0), lens(num_groups);
+    for (int64_t g = 0; g < num_groups; ++g) {
+      table_rows[g] = row_of[leaders[g]];
+      lens[g] = prefix_of[leaders[g]];
+    }
+    pack_all(k_bits, v_bits, table, req_to_token.stride(0), table_rows, firsts, lens, blocks, pack_offset,
+             words_per_head, kv_heads, dim, packed.keys.get(), packed.values.get());
+  }
+
+  const auto* q_bits = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  float* out_ptr = raw_out.data_ptr<float>();
+  float* max_ptr = row_max.data_ptr<float>();
+  float* sum_ptr = row_sum.data_ptr<float>();
+  at::parallel_for(0, item_start[num_groups], 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    std::vector<uint16_t> queries(kQueryBlock * dim);
+    std::vector<int64_t> dest(kQueryBlock);  // (request, head) of each query row
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = std::upper_bound(item_start.begin(), item_start.end(), item) - item_start.begin() - 1;
+      const int64_t per_head = (item_start[g + 1] - item_start[g]) / kv_heads;
+      const int64_t h = (item - item_start[g]) / per_head, qb = (item - item_start[g]) % per_head;
+      const int64_t total_rows = static_cast<int64_t>(members[g].size()) * group;
+      const int64_t num_rows = std::min(kQueryBlock, total_rows - qb * kQueryBlock);
+      for (int64_t r = 0; r < num_rows; ++r) {  // row = member x head of kv head h
+        const int64_t flat = qb * kQueryBlock + r;
+        dest[r] = members[g][flat / group] * heads + h * group + flat % group;
+        std::memcpy(&queries[r * dim], q_bits + dest[r] * dim, sizeof(uint16_t) * dim);
+      }
+      const int64_t offset = h * words_per_head + pack_offset[g];
+      const PackedKV kv{packed.keys.get() + offset, packed.values.get() + offset, 0};
+      run_query_block(queries.data(), dim, num_rows, prefix_of[leaders[g]] - 1, true, kv, dim,
+                      static_cast<float>(scale), 0, static_cast<float>(softcap), scratch);
+      for (int64_t r = 0; r < num_rows; ++r) {
+        std::memcpy(out_ptr + dest[r] * dim, scratch.out.data() + r * dim, sizeof(float) * dim);
+        max_ptr[dest[r]] = scratch.running_max[r];
+        sum_ptr[dest[r]] = scratch.running_sum[r];
+      }
+    }
+  });
+  return {raw_out, row_max, row_sum};
+}
+
 TORCH_LIBRARY_FRAGMENT(radixgen, m) {
   m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor rows, "
         "Tensor prefix_lens, Tensor extend_lens, float scale, int window=0, float softcap=0.0) -> Tensor");
   m.impl("prefill_attention", c10::DispatchKey::CPU, TORCH_FN(prefill_attention));
   m.def("prefill_attention_native() -> bool");
+  m.def("shared_prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor rows, "
+        "Tensor shared_prefix, Tensor group_leader, float scale, float softcap=0.0) -> (Tensor, Tensor, Tensor)");
+  m.impl("shared_prefix_attention", c10::DispatchKey::CPU, TORCH_FN(shared_prefix_attention));
   m.impl("prefill_attention_native", c10::DispatchKey::CatchAll, TORCH_FN(prefill_attention_native));
 }

@@ -95,6 +95,15 @@ class AttentionPlan:
     decode_kernel: Callable[..., torch.Tensor] | None = None
     """Decode only: the pool-reading kernel, called as (q [B,H,D], k_cache, v_cache,
     req_to_token, rows, seq_lens, scale); when set, kv_indices and attn_mask are None."""
+    shared_prefix_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    """Decode only, with ``decode_kernel``: attends the prefix a group of rows shares for all of
+    them at once (called as (q, k_cache, v_cache, req_to_token, rows, shared_prefix,
+    group_leader, scale, softcap) -> the rows' unnormalised output, max and sum), which the
+    decode kernel then extends over each row's own keys. Layers with a window skip it."""
+    shared_prefix: torch.Tensor | None = None
+    """[B] int64 keys at the start of each row shared with its group (0: none)."""
+    group_leader: torch.Tensor | None = None
+    """[B] int64 batch index of the row whose req_to_token row holds its group's prefix."""
     prefill_kernel: Callable[..., torch.Tensor] | None = None
     """Prefill only: the pool-reading kernel, called as (q [T,H,D], k_cache, v_cache,
     req_to_token, rows, prefix_lens, extend_lens, scale, window, softcap); when set, the padded
@@ -175,10 +184,20 @@ def _attend_written(
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     if plan.decode_kernel is not None:
-        out = plan.decode_kernel(
-            q, k_cache, v_cache, plan.req_to_token, plan.rows, plan.seq_lens, layer.scale, layer.window or 0,
-            layer.softcap or 0.0,
-        )
+        if plan.shared_prefix_kernel is not None and layer.window is None:
+            prior = plan.shared_prefix_kernel(
+                q, k_cache, v_cache, plan.req_to_token, plan.rows, plan.shared_prefix, plan.group_leader,
+                layer.scale, layer.softcap or 0.0,
+            )
+            out = plan.decode_kernel(
+                q, k_cache, v_cache, plan.req_to_token, plan.rows, plan.seq_lens, layer.scale, 0,
+                layer.softcap or 0.0, plan.shared_prefix, *prior,
+            )
+        else:
+            out = plan.decode_kernel(
+                q, k_cache, v_cache, plan.req_to_token, plan.rows, plan.seq_lens, layer.scale, layer.window or 0,
+                layer.softcap or 0.0,
+            )
         return out.view(num_tokens, num_heads * head_dim)
     if plan.prefill_kernel is not None:
         out = plan.prefill_kernel(

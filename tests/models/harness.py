@@ -18,16 +18,19 @@ class PoolHarness:
         self, model: CausalLM, num_slots: int = 4096, max_rows: int = 8, max_context_len: int = 1024,
         decode_kernel: Callable[..., torch.Tensor] | None = None, kernels: CpuKernels | None = None,
         padded_prefill: bool = False, prefill_kernel: Callable[..., torch.Tensor] | None = None,
+        shared_prefix_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         """``kernels``: the native ops the forward uses (None: PyTorch ops only); decode attention
         uses ``decode_kernel`` either way, as in the engine's attention_backend.
         ``padded_prefill``: the one-masked-call prefill attention other devices use.
-        ``prefill_kernel``: the pool-reading prefill attention kernel."""
+        ``prefill_kernel``: the pool-reading prefill attention kernel; ``shared_prefix_kernel``:
+        decode rows' shared prefixes attended once per group."""
         self.padded_prefill = padded_prefill
         cfg = model.config
         self.model = model
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
+        self.shared_prefix_kernel = shared_prefix_kernel
         self.kernels = kernels
         self.pool = KVPool(
             num_slots=num_slots, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
@@ -57,6 +60,7 @@ class PoolHarness:
         attn = build_attention_plan(
             plan, self.pool.req_to_token, torch.device("cpu"), self.pool.k.dtype, self.decode_kernel,
             per_request_prefill=not self.padded_prefill, prefill_kernel=self.prefill_kernel,
+            shared_prefix_kernel=self.shared_prefix_kernel,
         )
         all_rows = torch.arange(plan.num_tokens)
         logits = self.model(
@@ -86,5 +90,6 @@ def harness_for(model: CausalLM, path: str) -> PoolHarness:
         return PoolHarness(
             model, decode_kernel=kernels.decode_attention, kernels=kernels,
             prefill_kernel=kernels.prefill_attention_for(model.embed.dtype),
+            shared_prefix_kernel=kernels.shared_prefix_attention_for(model.embed.dtype, model.config.head_dim),
         )
     return PoolHarness(model, kernels=kernels)

@@ -143,3 +143,93 @@ def test_a_large_batch_matches_and_each_request_is_computed_as_alone(kernel, dty
     torch.testing.assert_close(out.float(), expected, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
     few = kernel(q[:3], k_cache, v_cache, req_to_token, rows[:3], lengths[:3], head_dim**-0.5)
     assert torch.equal(out[:3], few)
+
+
+def _shared_prefix_ops():
+    from radixgen.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None or kernels.shared_prefix_attention_for(torch.bfloat16, 64) is None:
+        pytest.skip("shared-prefix attention needs the bf16 dot-product kernels (AVX-512 BF16)")
+    return kernels
+
+
+@pytest.mark.parametrize("softcap", [0.0, 25.0])
+def test_shared_prefix_then_own_keys_equals_attending_the_whole_row(softcap) -> None:
+    """Two groups sharing prefixes of 300 and 70 keys (one group's prefix ending mid-block), a
+    row in no group; each row extends its group's prefix with 1-120 keys of its own."""
+    kernels = _shared_prefix_ops()
+    g = torch.Generator().manual_seed(9)
+    heads, kv_heads, head_dim = 9, 3, 64
+    k_cache = torch.randn(4000, kv_heads, head_dim, generator=g).bfloat16()
+    v_cache = torch.randn(4000, kv_heads, head_dim, generator=g).bfloat16()
+    free = iter((torch.randperm(3999, generator=g) + 1).tolist())
+    prefixes = {0: [next(free) for _ in range(300)], 1: [next(free) for _ in range(70)]}
+    groups = [0, 0, None, 1, 0, 1, 1]  # batch order: groups interleaved
+    req_to_token = torch.zeros(len(groups), 500, dtype=torch.long)
+    lengths = []
+    for b, group in enumerate(groups):
+        own = [next(free) for _ in range(int(torch.randint(1, 120, (1,), generator=g)))]
+        slots = (prefixes[group] if group is not None else [next(free) for _ in range(200)]) + own
+        req_to_token[b, : len(slots)] = torch.tensor(slots)
+        lengths.append(len(slots))
+    rows, seq_lens = torch.arange(len(groups)), torch.tensor(lengths)
+    shared = torch.tensor([len(prefixes[gr]) if gr is not None else 0 for gr in groups])
+    leader = torch.tensor([groups.index(gr) if gr is not None else b for b, gr in enumerate(groups)])
+    q = torch.randn(len(groups), heads, head_dim, generator=g).bfloat16()
+    scale = head_dim**-0.5
+
+    prior = kernels.shared_prefix_attention(q, k_cache, v_cache, req_to_token, rows, shared, leader, scale, softcap)
+    out = kernels.decode_attention(q, k_cache, v_cache, req_to_token, rows, seq_lens, scale, 0, softcap, shared, *prior)
+
+    whole = kernels.decode_attention(q, k_cache, v_cache, req_to_token, rows, seq_lens, scale, 0, softcap)
+    torch.testing.assert_close(out.float(), _reference(q, k_cache, v_cache, req_to_token, rows, seq_lens, 0, softcap),
+                               atol=2e-2, rtol=0)
+    assert torch.equal(out[2], whole[2])  # no group: attended as before
+    assert prior[1][2].eq(float("-inf")).all() and prior[2][2].eq(0).all()
+
+
+def test_shared_prefix_arguments_are_checked() -> None:
+    kernels = _shared_prefix_ops()
+    k_cache = v_cache = torch.zeros(100, 1, 64, dtype=torch.bfloat16)
+    req_to_token = torch.arange(1, 81).view(2, 40)
+    q = torch.zeros(2, 2, 64, dtype=torch.bfloat16)
+    rows, lens = torch.tensor([0, 1]), torch.tensor([40, 40])
+    with pytest.raises(RuntimeError, match="does not lead a group"):
+        kernels.shared_prefix_attention(q, k_cache, v_cache, req_to_token, rows, torch.tensor([10, 10]),
+                                        torch.tensor([1, 0]), 1.0)
+    prior = kernels.shared_prefix_attention(q, k_cache, v_cache, req_to_token, rows, torch.tensor([10, 10]),
+                                            torch.tensor([0, 0]), 1.0)
+    with pytest.raises(RuntimeError, match="leaves no key of its own"):
+        kernels.decode_attention(q, k_cache, v_cache, req_to_token, rows, lens, 1.0, 0, 0.0, torch.tensor([40, 0]),
+                                 *prior)
+    with pytest.raises(RuntimeError, match="no window"):
+        kernels.decode_attention(q, k_cache, v_cache, req_to_token, rows, lens, 1.0, 8, 0.0, torch.tensor([10, 10]),
+                                 *prior)
+
+
+def test_rows_are_grouped_by_the_slots_they_share() -> None:
+    import numpy as np
+
+    from radixgen.engine.batch import MIN_SHARED_PREFIX, shared_prefixes
+
+    n = MIN_SHARED_PREFIX
+    table = torch.zeros(6, 400, dtype=torch.long)
+    common = torch.arange(1000, 1000 + 300)
+    table[0, :300] = common  # rows 0, 2, 5 share 300 keys (row 5 only 250 of them, then its own)
+    table[2, :300] = common
+    table[5, :250] = common[:250]
+    table[5, 250:300] = torch.arange(5000, 5050)
+    table[1, : n + 10] = torch.arange(2000, 2000 + n + 10)  # rows 1 and 3 share n + 10 keys, then part
+    table[3, : n + 10] = table[1, : n + 10]
+    table[1, n + 10 : 200] = torch.arange(3000, 3000 + 190 - n)
+    table[3, n + 10 : 200] = torch.arange(4000, 4000 + 190 - n)
+    table[4, :n] = common[:n]  # row 4 is only n long: its newest key is its own, so it shares n - 1 at most
+    rows = np.array([0, 1, 2, 3, 4, 5])
+    seq_lens = np.array([301, 200, 301, 200, n, 300])
+
+    shared, leader = shared_prefixes(table, rows, seq_lens)
+
+    assert shared.tolist() == [250, n + 10, 250, n + 10, 0, 250]
+    assert leader.tolist() == [0, 1, 0, 1, 4, 0]
+    assert shared_prefixes(table, rows[[0, 1]], seq_lens[[0, 1]]) is None  # no two rows share

@@ -111,3 +111,39 @@ def test_the_converted_default_model_is_a_plain_hf_checkpoint(default_model_dir:
     assert "quantization_config" not in config
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert AutoConfig.from_pretrained(default_model_dir).architectures == ["LlamaForCausalLM"]
+
+
+def test_decode_rows_sharing_a_cached_prefix_attend_it_once_and_match_transformers() -> None:
+    """Rows whose pool rows begin with the same slots (as the radix tree shares a system prompt)
+    decode with the prefix attended once for the group (bf16, AVX-512 BF16 only): logits within
+    1.5x transformers' own bf16 error of the float32 reference, as the bf16 family tests hold."""
+    import copy
+
+    hf = make_tiny_hf_model("llama", seed=4, head_dim=64)
+    ours = build_model(ModelConfig.from_hf(hf.config), hf.state_dict(), dtype=torch.bfloat16)
+    harness = harness_for(ours, "native")
+    if harness.shared_prefix_kernel is None:
+        pytest.skip("shared-prefix attention needs bf16 dot products (AVX-512 BF16)")
+    calls = []
+    kernel = harness.shared_prefix_kernel
+    harness.shared_prefix_kernel = lambda *args: calls.append(args[5].clone()) or kernel(*args)
+    prefix = _prompt(5, 150)
+    (_,) = harness.extend([(0, prefix)])
+    for row in (1, 2, 3):  # share row 0's prefix slots
+        harness.pool.req_to_token[row, :150] = harness.pool.req_to_token[0, :150]
+        harness.lengths[row] = 150
+    seqs = [prefix + _prompt(10 + r, 5 + 9 * r) for r in range(4)]
+    harness.extend([(r, seqs[r][150:]) for r in range(4)])
+    ours_logits: list[list[torch.Tensor]] = [[] for _ in range(4)]
+    for step in range(3):
+        for r, out in enumerate(harness.extend([(r, [100 + step + r]) for r in range(4)])):
+            seqs[r] = seqs[r] + [100 + step + r]
+            ours_logits[r].append(out[0].float())
+    assert calls and all(c.tolist() == [150] * 4 for c in calls)
+
+    hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    for r in range(4):
+        ref = hf_logits(hf, seqs[r])[-3:]
+        hf_error = (hf_logits(hf_bf16, seqs[r])[-3:] - ref).abs().max().item()
+        our_error = (torch.stack(ours_logits[r]) - ref).abs().max().item()
+        assert our_error <= 1.5 * hf_error + 0.02, (r, our_error, hf_error)
