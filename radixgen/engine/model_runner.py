@@ -25,6 +25,40 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit
+_TOP_PAD = 256 << 20
+
+
+def keep_freed_memory_for_reuse() -> bool:
+    """Tell glibc's malloc to keep freed memory for the next allocation rather than hand it back.
+
+    A forward's intermediates (a prefill chunk's activations, 10-30 MB each) are allocated and
+    freed every layer. Above glibc's mmap threshold each one was fresh pages from the kernel,
+    faulted in on first touch, at about the cost of the copy or fill that touched them (see
+    benchmarks/README.md). Raising the threshold to glibc's maximum and not trimming the heap
+    top keeps those pages mapped; the price is that the process holds its peak heap (vLLM's
+    CPU backend preloads tcmalloc for the same reason). Returns whether glibc took the settings
+    (elsewhere nothing changes)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    ok = all(mallopt(param, value) == 1 for param, value in (
+        (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, _TOP_PAD)))
+    if not ok:
+        logger.debug("mallopt refused a setting; the allocator keeps its defaults for it")
+    return ok
+
+
 def set_compute_threads(num_threads: int | None) -> int:
     """Use at most the cores this process may run on: oversubscribed torch threads spin-wait
     against each other (measured here: a decode step went from 60 ms to 478 ms)."""
@@ -59,6 +93,8 @@ class ModelRunner:
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None) -> tuple[ModelRunner, LoadedModel]:
         set_compute_threads(config.num_threads)
+        if config.device == "cpu":
+            keep_freed_memory_for_reuse()
         loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device, weights=config.weights)
         cfg = loaded.config
         dtype = torch_dtype(config.dtype)
