@@ -27,7 +27,7 @@ def available_cores() -> int:
 
 # glibc mallopt parameters
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 _TOP_PAD = 256 << 20
 
 

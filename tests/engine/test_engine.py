@@ -236,8 +236,8 @@ def test_the_shared_tokenizer_survives_many_threads_while_the_loop_detokenizes(t
 
 
 def test_glibc_takes_the_allocator_settings_the_cpu_engine_makes() -> None:
-    """mallopt answers 0 for a parameter or value it refuses (a threshold above glibc's ceiling,
-    say), and the engine would silently keep faulting fresh pages in for every intermediate."""
+    """mallopt answers 0 for a parameter or value it refuses, and the engine would silently keep
+    faulting fresh pages in for every intermediate."""
     import platform
 
     from radixgen.engine.model_runner import keep_freed_memory_for_reuse
