@@ -17,6 +17,7 @@ import argparse
 import os
 import shlex
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,9 @@ def main() -> int:
             server.stop()
         reports.append(report)
         rows.append(report.summary())
+        failures = Counter(r.error for r in report.measured() if r.error is not None)
+        for error, count in failures.most_common(3):  # a failed row is no figure without its cause
+            print(f"{label}: {count} x {error}")
     base = next((r for r in rows if r["target"].startswith("radixgen-") and "no-cache" not in r["target"]
                  and "completed" in r), None)
     for row in rows:
