@@ -198,11 +198,13 @@ def shared_prefixes(
         return None
     marks = table[rows[eligible], MIN_SHARED_PREFIX - 1]
     order = np.argsort(marks, kind="stable")
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(marks[order])) + 1))
+    ends = np.append(starts[1:], len(order))
     shared = np.zeros(len(rows), dtype=np.int64)
     leader = np.arange(len(rows), dtype=np.int64)
-    for members in np.split(eligible[order], np.flatnonzero(np.diff(marks[order])) + 1):
-        if len(members) < 2:
-            continue
+    groups = ends - starts >= 2  # a row alone shares nothing; no Python per such row
+    for start, end in zip(starts[groups].tolist(), ends[groups].tolist(), strict=True):
+        members = eligible[order[start:end]]
         limit = int(seq_lens[members].min()) - 1
         block = table[rows[members], :limit]
         same = (block == block[0]).all(axis=0)
