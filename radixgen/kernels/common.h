@@ -20,12 +20,13 @@ namespace radixgen {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 // The bit shift instead of c10's conversion keeps the loop free of calls, so it vectorises.
-inline float to_float(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+inline float bf16_bits_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
   float f;
-  std::memcpy(&f, &bits, sizeof(f));
+  std::memcpy(&f, &wide, sizeof(f));
   return f;
 }
+inline float to_float(c10::BFloat16 x) { return bf16_bits_to_float(x.x); }
 
 // exp(x) in a form the compiler vectorises (std::exp stays a scalar libm call): x = n ln2 + r
 // with |r| <= ln2/2, exp(r) by its degree-7 Taylor polynomial (relative error < 1e-8 before
@@ -66,6 +67,21 @@ inline __m512 exp_vec(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+// 16 bf16 values -> 16 floats (exact).
+inline __m512 widen_bf16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// unpacklo/hi_epi16 of two rows of 32 bf16 interleave them within 128-bit lanes: lane k of lo
+// holds dim 8(k / 4) + k % 4 of both rows, hi that dim + 4. permutex2var(lo, index, hi) over
+// 32-bit lanes with these indices restores dims 0-15 and 16-31 in order.
+inline __m512i unpacked_dims_first_half() {
+  return _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+}
+inline __m512i unpacked_dims_second_half() {
+  return _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
 }
 #endif
 

@@ -172,9 +172,9 @@ void weigh_values(const uint16_t* v_cache, const int64_t* slots, int64_t len, in
     }
     accumulate_pair<kHeads, kChunks>(first, second, prob_pairs + j / 2, padded / 2, lo, hi);
   }
-  // natural order: dims 0-3 from lo lanes 0-3, 4-7 from hi 0-3, 8-11 lo 4-7, ...
-  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  // back to dim order
+  const __m512i first_half = radixgen::unpacked_dims_first_half();
+  const __m512i second_half = radixgen::unpacked_dims_second_half();
   for (int g = 0; g < kHeads; ++g) {
     const __m512 scale = _mm512_set1_ps(inv_sum[g]);
     for (int c = 0; c < kChunks; ++c) {
@@ -246,7 +246,7 @@ void attend_one_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
       const __m512 p = _mm512_maskz_mov_ps(live, exp_vec(_mm512_sub_ps(_mm512_loadu_ps(s + j), top)));
       const __m256i bits = (__m256i)_mm512_cvtneps_pbh(p);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs.data() + g * padded + j), bits);
-      total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+      total = _mm512_add_ps(total, radixgen::widen_bf16(bits));
     }
     float weights = _mm512_reduce_add_ps(total);  // the sum of the weights P.V uses
     if (prior.out != nullptr && prior.max[g] != -INFINITY) {

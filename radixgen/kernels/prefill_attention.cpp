@@ -30,17 +30,12 @@ namespace {
 constexpr int64_t kQueryBlock = 16;
 constexpr int64_t kKeyBlock = 64;
 
+using radixgen::bf16_bits_to_float;
 using radixgen::exp_approx;
 #ifdef RADIXGEN_BF16_DOT
 using radixgen::exp_vec;
+using radixgen::widen_bf16;
 #endif
-
-inline float bf16_bits_to_float(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
 
 inline uint16_t float_to_bf16_bits(float x) { return c10::BFloat16(x).x; }  // round to nearest even
 
@@ -58,9 +53,9 @@ struct PackedKV {
 
 // The packed K/V of a call, kept per calling thread and grown, never shrunk: a fresh allocation
 // of this size is fresh pages from the OS each call, and their faults cost as much as the
-// packing itself (~1 ms per 1.1k keys of three kv heads in this VM).
+// packing itself.
 struct PackBuffers {
-  std::unique_ptr<uint32_t[]> keys, values;  // uninitialised: pack_kv writes (or zeroes) every word used
+  std::unique_ptr<uint32_t[]> keys, values;  // uninitialised: pack_block writes (or zeroes) every word used
   int64_t capacity = 0;
 };
 
@@ -102,8 +97,8 @@ void pack_block(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t*
   }
 #ifdef RADIXGEN_BF16_DOT
   if (dim % 32 == 0) {  // two rows interleaved on 32 lanes; unpack works within 128-bit lanes, permute restores dim order
-    const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512i first_half = radixgen::unpacked_dims_first_half();
+    const __m512i second_half = radixgen::unpacked_dims_second_half();
     for (int64_t j = 0; j < count; j += 2) {
       const uint16_t* a = v_cache + slots[start + j] * row + h * dim;
       const uint16_t* b = j + 1 < count ? v_cache + slots[start + j + 1] * row + h * dim : nullptr;
@@ -281,7 +276,7 @@ float row_softmax(float* row, int64_t position, const BlockGeometry& geo, float 
       const __m512 p = _mm512_maskz_mov_ps(visible[c], exp_vec(_mm512_sub_ps(x[c], peak_b)));
       const __m256i bits = (__m256i)_mm512_cvtneps_pbh(p);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + 16 * c), bits);
-      total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+      total = _mm512_add_ps(total, widen_bf16(bits));
     }
     running_sum = running_sum * rescale + _mm512_reduce_add_ps(total);
     running_max = peak;
