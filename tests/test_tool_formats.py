@@ -35,9 +35,9 @@ def with_template(tokenizer: Any, name: str | None) -> Any:
     return tok
 
 
-@pytest.fixture(scope="module")
-def backend(tokenizer: Any) -> Any:
-    return make_backend("xgrammar", tokenizer, 49152, [2])
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def backend(tokenizer: Any, request: pytest.FixtureRequest) -> Any:
+    return make_backend(request.param, tokenizer, 49152, [2])
 
 
 FAMILIES = [(None, "smollm2", False, "<tool_call>"), ("hermes", "hermes", True, "<tool_call>"),

@@ -3,11 +3,14 @@
 Measured here on the SmolLM2 tokenizer (benchmarks/bench_constraints.py): xgrammar fills a mask
 in 12 us p50 / 30 us p95 per token, llguidance in 31 / 148 us, so xgrammar takes what it compiles
 faithfully: regexes, choices and the JSON Schema subset real APIs use (typed objects, arrays,
-scalars, anyOf/oneOf, local $ref). Outside that subset xgrammar rejects valid instances (a
+scalars, anyOf/oneOf, local $ref), and tool calls inside text (faster per token in text and in calls alike:
+benchmarks/bench_structural.py). Outside that subset xgrammar rejects valid instances (a
 schema without "type" becomes an object, object-valued enums, unevaluatedProperties,
 patternProperties, false subschemas), so those schemas go to llguidance, which follows JSON
 Schema closely: JSON-Schema-Test-Suite 1,182 right with xgrammar alone, 1,230 with llguidance
-alone, more with both. A backend that refuses a constraint hands it to the other.
+alone, more with both. Tool calls go the same way: when any tool's schema (or the answer's) is
+outside the subset, the whole structure goes to llguidance. A backend that refuses a
+constraint hands it to the other.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ import logging
 from radixgen.constraints.backend import Grammar, GrammarBackend
 from radixgen.constraints.drafts import as_2020_12
 from radixgen.constraints.spec import ConstraintSpec
+from radixgen.constraints.structural import structural_parts
 from radixgen.constraints.xgrammar_subset import within_xgrammar_subset
 from radixgen.errors import InvalidConstraintError
 
 logger = logging.getLogger(__name__)
+
 
 class AutoBackend(GrammarBackend):
     name = "auto"
@@ -33,7 +38,9 @@ class AutoBackend(GrammarBackend):
     def choose(self, spec: ConstraintSpec) -> list[GrammarBackend]:
         """The backends to try for ``spec``, best first."""
         order = ["xgrammar", "llguidance"]
-        if spec.kind == "json_schema" and not within_xgrammar_subset(as_2020_12(spec.schema())):
+        schemas = ([spec.schema()] if spec.kind == "json_schema" else
+                   [schema for _, schema in structural_parts(spec.structure())] if spec.kind == "structural" else [])
+        if not all(within_xgrammar_subset(as_2020_12(schema)) for schema in schemas):
             order.reverse()
         return [self.backends[name] for name in order if name in self.backends]
 

@@ -22,6 +22,10 @@ class Grammar(ABC):
     """A JSON schema whose every keyword the automaton enforces: its outputs cannot fail the
     schema's validators, so they need not hold the stream back for a possible rollback."""
 
+    parts_enforced_exactly: frozenset[str | None] = frozenset()
+    """For a structural constraint, the JSON parts whose schema the automaton enforces exactly,
+    by tool name (None: the JSON answer); the others get validators (constraints/call_validation.py)."""
+
     @abstractmethod
     def matcher(self) -> Matcher:
         """A fresh per-request matcher at the start state."""

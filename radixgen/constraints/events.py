@@ -72,6 +72,11 @@ class JsonScanner:
             self._step(ch, pos, out)
         return out
 
+    @property
+    def done(self) -> bool:
+        """The root value is complete."""
+        return self._done
+
     def finish(self) -> list[CompletedValue]:
         """End of output: a bare root number/literal completes here."""
         out: list[CompletedValue] = []
@@ -288,6 +293,10 @@ class Validation:
         self.repeated_items = repeated_items
         self.scanner = JsonScanner()
         self._items: dict[Path, list[str]] = {}  # array path -> its completed items (canonical JSON)
+
+    settled = 0
+    """Chars of the output no rejection can reach back into: none, the whole value is checked
+    at its end."""
 
     def reset(self, text: str) -> None:
         """Re-scan from scratch (after a rollback) without running validators."""

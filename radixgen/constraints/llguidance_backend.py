@@ -12,6 +12,7 @@ import numpy as np
 from radixgen.constraints.backend import Grammar, GrammarBackend, Matcher
 from radixgen.constraints.schema_rewrite import DEFAULT_OPTIONS, GrammarOptions, grammar_schema
 from radixgen.constraints.spec import ConstraintSpec
+from radixgen.constraints.structural import llguidance_structural_lark
 from radixgen.errors import InvalidConstraintError
 
 try:
@@ -93,12 +94,16 @@ class LLGuidanceBackend(GrammarBackend):
         super().__init__(tokenizer, vocab_size, stop_token_ids, options=options)
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids[0])
         self._stop_ids = frozenset(stop_token_ids)
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        # markers that are one special token (``[TOOL_CALLS]``) are matched as that token: their
+        # text is not in the token's bytes as llguidance sees them
+        self._special_ids = {t.content: i for i, t in added.items() if getattr(t, "special", False) and i < vocab_size}
 
     def compile(self, spec: ConstraintSpec) -> Grammar:
         if spec.kind == "structural":
-            raise InvalidConstraintError(f"the {self.name} backend does not compile structural constraints (tool calls "
-                                         "inside text, a reasoning section): use grammar_backend xgrammar or auto")
-        if spec.kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_lark(llguidance_structural_lark(
+                spec.structure(), self.options, _JSON_OPTIONS, self._special_ids.get))
+        elif spec.kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(spec.value)
         elif spec.kind == "choices":
             grammar = llguidance.LLMatcher.grammar_from_regex(spec.pattern())

@@ -23,6 +23,7 @@ it: ``{"name": "get_weather", "arguments": ``) + arguments JSON + ``end``.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from radixgen.constraints.schema_rewrite import GrammarOptions, grammar_schema
@@ -74,6 +75,14 @@ def structural_spec(structure: Any) -> ConstraintSpec:
     return ConstraintSpec("structural", json.dumps(structure, separators=(",", ":")), depth)
 
 
+def structural_parts(structure: dict[str, Any]) -> list[tuple[str | None, Any]]:
+    """The JSON parts of a structure with their schemas: the answer (named None) and each tool's
+    arguments (named by the tool)."""
+    answer = [(None, structure["json_schema"])] if "json_schema" in structure else []
+    calls = structure.get("tool_calls", {}).get("calls", [])
+    return answer + [(call["name"], call.get("schema", {})) for call in calls]
+
+
 def _strings(part: Any, where: str, names: tuple[str, ...]) -> None:
     if not isinstance(part, dict) or not all(isinstance(part.get(n), str) for n in names):
         raise InvalidConstraintError(f"{where} must be an object with string fields {', '.join(names)}")
@@ -118,3 +127,86 @@ def xgrammar_structural_tag(structure: dict[str, Any], options: GrammarOptions) 
              "end": [reasoning["end"] + "\n\n", reasoning["end"] + "\n", reasoning["end"]]},
             body]}
     return {"type": "structural_tag", "format": body}
+
+
+def llguidance_structural_lark(structure: dict[str, Any], options: GrammarOptions, json_options: dict[str, Any],
+                               special_token_id: Callable[[str], int | None]) -> str:
+    """The structure as an llguidance Lark grammar. Free text is a lazy lexeme that ends with
+    the trigger (llguidance's lexer is greedy, so text and a call opener that could both go on
+    must be one lexeme whose end is the trigger); the text after the last call is a lexeme that
+    cannot contain the trigger. ``special_token_id`` names the markers that are one special
+    token of the tokenizer (``[TOOL_CALLS]``, ``<|python_tag|>``): those are matched as tokens.
+
+    With ``free_text`` false the output is calls only (xgrammar's triggered tags also let text
+    follow the first call there)."""
+    rules: list[str] = []
+
+    def literal(text: str) -> str:
+        if not text:
+            return ""
+        token = special_token_id(text)
+        return f"<[{token}]>" if token is not None else json.dumps(text, ensure_ascii=False)
+
+    def json_rule(name: str, schema: Any) -> str:
+        compiled = grammar_schema(schema, options)
+        if isinstance(compiled, dict):
+            compiled = {**compiled, "x-guidance": json_options}
+        rules.append(f"{name}: %json {json.dumps(compiled)}")
+        return name
+
+    def seq(*parts: str) -> str:
+        return " ".join(p for p in parts if p)
+
+    body = json_rule("answer", structure["json_schema"]) if "json_schema" in structure else ""
+    if "tool_calls" in structure:
+        spec = structure["tool_calls"]
+        trigger, head = spec["trigger"], spec["block_begin"]
+        single = spec.get("max_calls") == 1
+
+        def calls_rule(name: str, strip_trigger: bool, before: str = "", after: str = "") -> str:
+            alternatives = []
+            for i, call in enumerate(spec["calls"]):
+                opener = before + call["begin"]
+                opener = opener[len(trigger):] if strip_trigger else opener
+                alternatives.append(seq(literal(opener), json_rule(f"{name}_args_{i}", call.get("schema", {})),
+                                        literal(call["end"] + after)))
+            rules.append(f"{name}: " + " | ".join(alternatives))
+            return name
+
+        # a block whose trigger has been written already
+        if spec.get("separator") is not None:
+            call = calls_rule("call", False)
+            first = call if head else calls_rule("first_call", True)
+            more = "" if single else f"({seq(literal(spec['separator']), call)})*"
+            rules.append("block: " + seq(literal(head[len(trigger):]), first, more, literal(spec["block_end"])))
+            one_block = True
+        else:
+            calls_rule("block", True, head, spec["block_end"])
+            one_block = single
+        trigger_token = special_token_id(trigger)
+        if trigger_token is None:
+            rules.append(f"text_to_trigger[suffix={literal(trigger)}]: /(?s:.*)/")
+            rules.append(f"TEXT: /(?s:.+)/ & ~(/(?s:.*)/ {literal(trigger)} /(?s:.*)/)")
+            to_trigger = "text_to_trigger"
+        else:  # text cannot spell a special token
+            rules.append("TEXT: /(?s:.+)/")
+            to_trigger = f"TEXT? {literal(trigger)}"
+        opened = f"{literal(trigger)} block"
+        if not spec.get("free_text", True):
+            calls = opened if one_block else f"{opened} (/[ \\n]/? {opened})*"
+        else:
+            rest = "" if one_block else f"({to_trigger} block)* TEXT?"
+            if spec.get("min_calls", 0):
+                calls = seq(opened, rest)
+            else:
+                calls = f"TEXT? | {to_trigger} block" if one_block else rest
+        rules.append(f"calls: {calls}")
+        body = f"calls | {body}" if body else "calls"
+    reasoning = structure.get("reasoning")
+    if reasoning is not None:
+        rules.append(f"thinking[suffix={literal(reasoning['end'])}]: /(?s:.*)/")
+        # thinking models leave a blank line or two after the section
+        rules.append(f"reasoning: {literal(reasoning['begin'])} thinking /\\n\\n?/?")
+        rules.append(f"after_reasoning: {body}")
+        body = "reasoning after_reasoning"
+    return "\n".join([f"start: {body}", *rules])

@@ -13,7 +13,7 @@ from radixgen.constraints.backend import Grammar, GrammarBackend, Matcher
 from radixgen.constraints.drafts import as_2020_12
 from radixgen.constraints.schema_rewrite import DEFAULT_OPTIONS, GrammarOptions, grammar_schema
 from radixgen.constraints.spec import ConstraintSpec
-from radixgen.constraints.structural import xgrammar_structural_tag
+from radixgen.constraints.structural import structural_parts, xgrammar_structural_tag
 from radixgen.constraints.xgrammar_subset import xgrammar_enforces_exactly
 from radixgen.errors import InvalidConstraintError
 
@@ -122,4 +122,8 @@ class XGrammarBackend(GrammarBackend):
         grammar = XGrammarGrammar(compiled, self._json_words if spec.kind in ("json_schema", "json_object") else None)
         grammar.enforces_schema_exactly = spec.kind == "json_schema" and xgrammar_enforces_exactly(
             as_2020_12(spec.schema()))
+        if spec.kind == "structural":
+            grammar.parts_enforced_exactly = frozenset(
+                name for name, schema in structural_parts(spec.structure())
+                if xgrammar_enforces_exactly(as_2020_12(schema)))
         return grammar

@@ -3,6 +3,7 @@ and validators, the step's bitmask, and checking jump-forward's forced tokens.""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -21,9 +22,11 @@ from radixgen.constraints import (
 )
 from radixgen.constraints.backend import Matcher
 from radixgen.constraints.budget import Completer, Completion, RegexCompletions
+from radixgen.constraints.call_validation import StructuralValidation
 from radixgen.constraints.events import SchemaValidators, Validation
 from radixgen.constraints.mask import ALL_ALLOWED, ban_tokens
 from radixgen.constraints.spec import ConstraintSpec
+from radixgen.constraints.structural import structural_parts
 from radixgen.engine.batch import StepPlan
 from radixgen.engine.request import Request
 from radixgen.engine.speculative import Verdict, verify
@@ -109,21 +112,31 @@ class ConstrainedDecoding:
             self._shortest.popitem(last=False)
         return cached
 
-    def _validation(self, req: Request, grammar: Grammar) -> Validation | None:
+    def _validation(self, req: Request, grammar: Grammar) -> Validation | StructuralValidation | None:
         params, spec = req.params, req.params.constraint
+        if spec is not None and spec.kind == "structural":
+            structure = spec.structure()
+            checked = {name: self._validators_for(schema) for name, schema in structural_parts(structure)
+                       if name not in grammar.parts_enforced_exactly}
+            return StructuralValidation(structure, checked, self.config.json_repeated_items) if checked else None
         model = params.json_schema if isinstance(params.json_schema, type) and hasattr(
             params.json_schema, "model_validate") else None
         schema = None
         # an automaton that enforces the whole schema leaves its validators nothing to reject
         if spec is not None and spec.kind == "json_schema" and not grammar.enforces_schema_exactly:
-            schema = self._schema_validators.get(spec.value)
-            if schema is None:
-                schema = self._schema_validators[spec.value] = SchemaValidators(spec.schema())
+            schema = self._validators_for(spec.schema())
         repeats = self.config.json_repeated_items
         is_json = spec is not None and spec.kind in ("json_schema", "json_object")
         if schema is None and model is None and not params.validators and not (repeats == "all" and is_json):
             return None  # nothing can roll text back: the output streams as it grows
         return Validation(schema=schema, model=model, user=params.validators, repeated_items=repeats)
+
+    def _validators_for(self, schema: Any) -> SchemaValidators:
+        key = json.dumps(schema, sort_keys=True)
+        validators = self._schema_validators.get(key)
+        if validators is None:
+            validators = self._schema_validators[key] = SchemaValidators(schema)
+        return validators
 
     def bitmask(self, plan: StepPlan) -> torch.Tensor | None:
         """Allowed-token rows for this step's constrained requests that sample (None if none)."""

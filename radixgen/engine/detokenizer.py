@@ -75,12 +75,15 @@ class IncrementalDetokenizer:
         self._unsent = [unsent[: max(len(unsent) - n, 0)]]
         self._unsent_len = len(self._unsent[0])
 
-    def take_delta(self, final: bool) -> str:
-        """Text not yet handed out; while not final, hold back a possible stop-string start."""
+    def take_delta(self, final: bool, upto: int | None = None) -> str:
+        """Text not yet handed out; while not final, hold back a possible stop-string start,
+        and whatever lies past char ``upto``."""
         if not self._unsent_len:
             return ""
         unsent = "".join(self._unsent)
         held = self._partial_stop_len() if not final and self.stop else 0
+        if upto is not None:
+            held = min(max(held, self.length - upto), len(unsent))
         delta, rest = unsent[: len(unsent) - held], unsent[len(unsent) - held :]
         self._unsent, self._unsent_len = ([rest] if rest else []), len(rest)
         return delta

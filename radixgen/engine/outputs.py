@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Any
 
@@ -212,18 +213,23 @@ class OutputProcessor:
 
     def emit(self, req: Request, *, final: bool) -> RequestOutput | None:
         """Hand a delta to the request's callback (the tokens appended since the last one);
-        non-streaming requests only get the end, and so do requests with validators (a rollback
-        could take back text already sent)."""
+        non-streaming requests only get the end. With validators only the text no rollback can
+        reach is sent (a rollback must never take back text a client has seen): none of a JSON
+        output before its end, a structural output's text and calls up to the part being checked."""
         if not final:
-            if not req.stream or req.on_output is None or req.validation is not None:
+            if not req.stream or req.on_output is None:
                 return None
+            if req.validation is not None:
+                tokens = bisect.bisect_right(req.token_text_ends, req.validation.settled)
+                if tokens <= req.num_emitted:
+                    return None
+                return self._emit_delta(req, tokens, req.token_text_ends[tokens - 1])
             return self._emit_delta(req)
         detok = self.detokenizers[req.request_id]
         out = RequestOutput(  # the final output
             request_id=req.request_id,
             new_text=detok.take_delta(True) if self.tokenizer is not None else "",
-            new_token_ids=req.output_ids if req.validation is not None and req.stream else (
-                req.output_ids[req.num_emitted:]),
+            new_token_ids=req.output_ids[req.num_emitted:],
             finished=True,
             finish_reason=req.finish_reason,
             error=req.error,
@@ -242,18 +248,19 @@ class OutputProcessor:
             req.on_output(out)
         return out
 
-    def _emit_delta(self, req: Request) -> RequestOutput:
-        """``emit`` of a streamed step's delta: the path every running request takes each step."""
+    def _emit_delta(self, req: Request, tokens: int | None = None, chars: int | None = None) -> RequestOutput:
+        """``emit`` of a streamed step's delta: the path every running request takes each step
+        (up to output token ``tokens``, whose text ends at char ``chars``, when given)."""
         params = req.params
         since = req.num_emitted
-        req.num_emitted = len(req.output_ids)
+        upto = req.num_emitted = len(req.output_ids) if tokens is None else tokens
         out = RequestOutput(
             req.request_id,
-            req.output_ids[since:],
-            self.detokenizers[req.request_id].take_delta(False) if self.tokenizer is not None else "",
+            req.output_ids[since:upto],
+            self.detokenizers[req.request_id].take_delta(False, chars) if self.tokenizer is not None else "",
             False, None, req.error, req.user_error, req.prompt_len, len(req.output_ids), req.cached_tokens,
-            req.output_logprobs[since:] if params.logprobs else None,
-            req.output_top_logprobs[since:] if params.top_logprobs else None,
+            req.output_logprobs[since:upto] if params.logprobs else None,
+            req.output_top_logprobs[since:upto] if params.top_logprobs else None,
         )
         assert req.on_output is not None
         req.on_output(out)

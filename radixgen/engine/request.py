@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from radixgen.constraints.backend import Matcher
+from radixgen.constraints.call_validation import StructuralValidation
 from radixgen.constraints.events import Validation
 from radixgen.constraints.spec import (
     JSON_OBJECT,
@@ -268,7 +269,7 @@ class Request:
     admitted: bool = False
     matcher: Matcher | None = None
     """The constraint automaton's state for this request (None when unconstrained)."""
-    validation: Validation | None = None
+    validation: Validation | StructuralValidation | None = None
     """Validators over the JSON output (None when there are none)."""
     token_text_ends: list[int] = field(default_factory=list)
     """Output text length after each output token (maps a rejected value's start to a token)."""

@@ -69,3 +69,42 @@ def test_a_bare_root_number_is_validated_when_the_output_ends(make_engine: Calla
         if out.finish_reason is FinishReason.STOP:
             assert json.loads(out.text) == 7
     assert engine.scheduler.stats.num_rollbacks > 0
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_tool_call_arguments_the_automaton_skips_are_enforced(make_engine: Callable[..., Engine], backend: str) -> None:
+    """A call's arguments inside a structural output get the same validators as a json_schema
+    output: the greedy call's value is refused by "not" (neither automaton enforces it), rolled
+    back and resampled, and the call that comes back satisfies its schema."""
+    from radixgen import tool_formats
+
+    engine = make_engine(grammar_backend=backend)
+    loose = {"type": "object", "properties": {"legs": {"enum": [0, 2, 4, 6, 8]}}, "required": ["legs"],
+             "additionalProperties": False}
+
+    def structure(schema: dict) -> dict:
+        return {"tool_calls": tool_formats.HERMES.structure([("count_legs", schema)], free_text=False, min_calls=1,
+                                                            max_calls=1)}
+
+    def call(text: str) -> dict:
+        _, calls = tool_formats.parse(tool_formats.HERMES, text)
+        assert len(calls) == 1 and calls[0].name == "count_legs", text
+        return json.loads(calls[0].arguments)
+
+    first = call(engine.generate("Legs:", SamplingParams(max_new_tokens=60, temperature=0,
+                                                         structural=structure(loose))).text)
+    assert engine.scheduler.stats.num_rollbacks == 0
+    strict = {**loose, "properties": {"legs": {"enum": [0, 2, 4, 6, 8], "not": {"const": first["legs"]}}}}
+    params = SamplingParams(max_new_tokens=60, temperature=0, structural=structure(strict))
+    out = engine.generate("Legs:", params)
+    assert out.finish_reason is FinishReason.STOP, out
+    jsonschema.validate(call(out.text), strict)
+    assert engine.scheduler.stats.num_rollbacks >= 1, "the greedy value was rejected and resampled"
+
+    # streamed, the call's opening goes out before its arguments are settled, and nothing sent
+    # is taken back by the rollback: the deltas add up to the same output
+    deltas = list(engine.iter_outputs("Legs:", params))
+    first = next(d for d in deltas if d.new_text)
+    assert not first.finished and first.new_text.startswith("<tool_call>") and '"legs"' not in first.new_text
+    assert "".join(d.new_text for d in deltas) == out.text
+    assert [t for d in deltas for t in d.new_token_ids] == out.token_ids
