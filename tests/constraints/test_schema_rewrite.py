@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from radixgen import tool_formats
 from radixgen.constraints import make_backend
 from radixgen.constraints.auto_backend import AutoBackend
 from radixgen.constraints.schema_rewrite import (
@@ -16,6 +17,7 @@ from radixgen.constraints.schema_rewrite import (
     limit_recursion,
 )
 from radixgen.constraints.spec import regex_spec, schema_spec
+from radixgen.constraints.structural import structural_spec
 from radixgen.constraints.xgrammar_subset import within_xgrammar_subset
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
@@ -73,6 +75,13 @@ def test_auto_routes_each_spec_and_falls_back_when_a_backend_refuses(tokenizer: 
     assert [b.name for b in backend.choose(schema_spec(PERSON))] == ["xgrammar", "llguidance"]
     assert [b.name for b in backend.choose(schema_spec({"properties": {}}))] == ["llguidance", "xgrammar"]
     assert backend.choose(regex_spec("[a-z]+"))[0].name == "xgrammar"
+    # tool calls: to llguidance when any tool's arguments are outside xgrammar's subset
+    calls = tool_formats.HERMES.structure([("a", PERSON), ("b", {"type": "object"})], free_text=True, min_calls=0,
+                                          max_calls=None)
+    assert backend.choose(structural_spec({"tool_calls": calls}))[0].name == "xgrammar"
+    calls["calls"][1]["schema"] = {"properties": {}}
+    assert backend.choose(structural_spec({"tool_calls": calls}))[0].name == "llguidance"
+    assert backend.compile(structural_spec({"tool_calls": calls})).matcher() is not None
     # llguidance refuses overlapping patternProperties; xgrammar takes the schema, validators do the rest
     overlapping = {"type": "object", "patternProperties": {"a*": {"type": "integer"}, "aaa*": {"maximum": 20}}}
     with pytest.raises(Exception, match="disjoint"):
