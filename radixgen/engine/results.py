@@ -104,6 +104,8 @@ class ResultProcessor:
         reason = None
         for j, token in enumerate(tokens):
             last = j == len(tokens) - 1
+            if verdict.logprobs is not None:  # the batch's row holds only the last position's
+                req.sample_override = verdict.logprobs[j]
             reason = self.outputs.append_token(req, token, result, i, allow_jump=allow_jump and last)
             if reason is not None or req.pending_rollback is not None:
                 break

@@ -229,32 +229,9 @@ class Sampler:
         sampled = np.flatnonzero(~batch.is_greedy)
         if len(sampled):
             idx = torch.from_numpy(sampled).to(logits.device)
-            token_ids[idx] = self._sample_rows(logits[idx], batch, idx)
+            token_ids[idx] = sample_rows(logits[idx], batch, idx, batch.counters[idx])
         self.penalties.record(batch, token_ids)
         return self._result(logits, token_ids, batch)
-
-    def _sample_rows(self, logits: torch.Tensor, batch: SamplingBatch, idx: torch.Tensor) -> torch.Tensor:
-        logits = logits / batch.temperatures[idx, None]
-        if batch.need_top_k:
-            top_k = batch.top_k[idx]
-            kth = torch.topk(logits, int(top_k.max()), dim=-1).values.gather(1, (top_k - 1)[:, None])
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if batch.need_min_p:
-            floor = batch.min_p[idx, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < floor, 0.0)
-        if batch.need_top_p:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            sorted_probs = sorted_probs.masked_fill(mass_before > batch.top_p[idx, None], 0.0)
-            probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
-        # Inverse-CDF sampling with one counter-based uniform per row (the filters above only
-        # zero entries, so the un-normalised CDF is scaled by its total instead of renormalising).
-        cdf = probs.double().cumsum(dim=-1)
-        u = uniform_from_counter(batch.seeds[idx], batch.counters[idx]).to(cdf.device)
-        targets = (u * cdf[:, -1]).unsqueeze(1)
-        chosen = torch.searchsorted(cdf, targets, right=True).squeeze(1)
-        return chosen.clamp_(max=self.vocab_size - 1)
 
     def _result(self, logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         chosen_lp = top_ids = top_lp = None
@@ -266,3 +243,31 @@ class Sampler:
                 top = torch.topk(logprobs, batch.max_top_logprobs, dim=-1)
                 top_ids, top_lp = top.indices.cpu().numpy(), top.values.cpu().numpy()
         return SampleResult(token_ids.cpu().numpy(), chosen_lp, top_ids, top_lp)
+
+
+def sample_rows(logits: torch.Tensor, batch: SamplingBatch, idx: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One token for each row of ``logits``, sampled with the parameters of batch row ``idx``
+    and the counter-based uniform of (its seed, ``counters``): a row's token depends only on
+    its logits and which output token it is, so a position verified in a speculative step
+    draws exactly what a decode step at that position would."""
+    logits = logits / batch.temperatures[idx, None]
+    if batch.need_top_k:
+        top_k = batch.top_k[idx]
+        kth = torch.topk(logits, int(top_k.max()), dim=-1).values.gather(1, (top_k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if batch.need_min_p:
+        floor = batch.min_p[idx, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    if batch.need_top_p:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before > batch.top_p[idx, None], 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    # Inverse-CDF sampling with one counter-based uniform per row (the filters above only
+    # zero entries, so the un-normalised CDF is scaled by its total instead of renormalising).
+    cdf = probs.double().cumsum(dim=-1)
+    u = uniform_from_counter(batch.seeds[idx], counters).to(cdf.device)
+    targets = (u * cdf[:, -1]).unsqueeze(1)
+    chosen = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    return chosen.clamp_(max=logits.shape[-1] - 1)

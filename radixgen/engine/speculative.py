@@ -1,19 +1,26 @@
 """Speculative decoding without a draft model: n-gram drafts, verified in the decode step.
 
-A greedy request's next tokens are often a copy of tokens it has seen (extraction copies the
+A request's next tokens are often a copy of tokens it has seen (extraction copies the
 prompt's names and numbers, a repeated answer repeats itself). Before a decode step, such a
 request looks up its last n tokens (the longest n that matches, up to ``speculative_ngram_max``)
 in an index of its own prompt and output, and drafts the tokens that followed their latest
 earlier occurrence; a constrained request's draft is cut at the first token its automaton
 would reject. The step then feeds the request's newest token and its k drafts as one extend
 (the planner's speculative rows) and takes the logits after each of them. Verification keeps
-the longest prefix of the draft that equals the model's own greedy choice (under the
-constraint's mask at each position) and adds the model's choice after it, so the output is
-token for token the one without speculation; the slots of rejected drafts are freed at once.
+the longest prefix of the draft that equals the model's own choice at each position (under the
+constraint's mask) and adds the model's choice after it; the slots of rejected drafts are
+freed at once. The model's choice is its argmax for a greedy request; for a sampled one it is
+the token a decode step would sample there, from the same counter-based uniform (the seed and
+the token's index in the output). So the output is the one without speculation for greedy and
+seeded requests alike, as far as the logits are the same (where a sample sits on a boundary of
+a nearly flat distribution, a last-bit difference can move it): for a draft that is one fixed
+token this is speculative sampling, which accepts a draft with the probability the model gives
+it, with the same acceptance rate and the target's distribution exactly.
 
-A request whose drafts stop being accepted stops drafting (``_GIVE_UP_*``). Sampled requests,
-penalties, logit biases, min_tokens and log-probabilities are not speculated (the sampler's
-state for them is per step, not per position).
+Requested log-probabilities come from each verified position's logits, as a decode step's do.
+A request whose drafts stop being accepted stops drafting (``_GIVE_UP_*``). Penalties and logit
+biases are not speculated (the sampler's state for them is per step, not per position), nor
+requests with validators (a rollback would reach into verified drafts).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from radixgen.constraints import apply_bitmask
 from radixgen.constraints.mask import ALL_ALLOWED, ban_tokens
 from radixgen.engine.batch import StepPlan
 from radixgen.engine.request import Request
+from radixgen.engine.sampler import SamplingBatch, sample_rows
 
 # After this many drafted tokens, a request whose drafts were accepted less often than this
 # stops drafting: each drafted token costs a position of compute in the step.
@@ -97,6 +105,9 @@ class Verdict:
     """The leading draft tokens the model would have produced itself."""
     next_token: int
     """The model's choice after them."""
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    """For a request that asks for log-probabilities: each of those tokens' log-probability and
+    top alternatives under the model's distribution at its position, as a decode step gives."""
 
 
 class NgramDrafter:
@@ -119,8 +130,7 @@ class NgramDrafter:
     def eligible(self, req: Request) -> bool:
         p = req.params
         wanted = self.by_default if p.speculative is None else p.speculative
-        return (wanted and p.is_greedy and not p.has_penalties and not p.logit_bias and not p.logprobs
-                and not p.top_logprobs and req.validation is None)
+        return wanted and not p.has_penalties and not p.logit_bias and req.validation is None
 
     def draft(self, reqs: list[Request]) -> dict[Request, list[int]]:
         """Drafts for this step's running requests (those that have one), within the budget."""
@@ -188,17 +198,22 @@ def _grammatical_prefix(req: Request, draft: list[int]) -> list[int]:
     return draft[:taken]
 
 
-def verify(plan: StepPlan, logits: torch.Tensor, bitmask: np.ndarray, dead_end: str) -> tuple[torch.Tensor, dict[int, Verdict]]:
-    """Check each speculative row's drafts against the model's greedy choice at every position.
+def verify(plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch, bitmask: np.ndarray,
+           dead_end: str) -> tuple[torch.Tensor, dict[int, Verdict]]:
+    """Check each speculative row's drafts against the model's own choice at every position:
+    its argmax for a greedy request, for a sampled one the token a decode step would sample
+    there (``sampler.sample_rows`` with that position's counter), so either way the output is
+    the one without speculation.
 
     ``logits`` holds the batch's last positions first, then for each speculative row the
     positions before each of its drafts (``ModelRunner.forward``). Returns the batch's rows and
-    a verdict per speculative row. ``bitmask``: a one-row host buffer for constrained rows;
-    ``dead_end``: why a constrained row whose mask allows nothing cannot go on."""
+    a verdict per speculative row. ``batch``: the step's sampling parameters; ``bitmask``: a
+    one-row host buffer for constrained rows; ``dead_end``: why a constrained row whose mask
+    allows nothing cannot go on."""
     assert plan.draft_lens is not None
-    batch = plan.batch_size
-    last_choice = logits[:batch].argmax(dim=-1).tolist()
-    extra = logits[batch:]
+    rows = plan.batch_size
+    last_choice = logits[:rows].argmax(dim=-1).tolist()
+    extra = logits[rows:]
     extra_choice = extra.argmax(dim=-1).tolist() if extra.shape[0] else []
     verdicts: dict[int, Verdict] = {}
     row = 0
@@ -208,27 +223,59 @@ def verify(plan: StepPlan, logits: torch.Tensor, bitmask: np.ndarray, dead_end: 
         req = plan.requests[i]
         state = req.speculation
         assert state is not None and len(state.draft) == k
+        greedy = bool(batch.is_greedy[i])
         if req.matcher is None:
-            choices = [*extra_choice[row : row + k], last_choice[i]]
+            positions = torch.cat([extra[row : row + k], logits[i : i + 1]])
+            if greedy:
+                choices = [*extra_choice[row : row + k], last_choice[i]]
+            else:
+                choices = _sampled(positions, batch, i, 0).tolist()
             accepted = 0
             while accepted < k and choices[accepted] == state.draft[accepted]:
                 accepted += 1
-            verdicts[i] = Verdict(state.draft[:accepted], choices[accepted])
+            verdict = Verdict(state.draft[:accepted], choices[accepted])
         else:
             positions = torch.cat([extra[row : row + k], logits[i : i + 1]])
-            verdicts[i] = _verify_constrained(req, state.draft, positions, bitmask, dead_end)
+            verdict, positions = _verify_constrained(req, state.draft, positions, batch if not greedy else None, i,
+                                                     bitmask, dead_end)
+        if req.params.logprobs or req.params.top_logprobs:
+            verdict.logprobs = _logprobs(positions, [*verdict.accepted, verdict.next_token], req.params.top_logprobs)
+        verdicts[i] = verdict
         row += k
-    return logits[:batch], verdicts
+    return logits[:rows], verdicts
 
 
-def _verify_constrained(req: Request, draft: list[int], positions: torch.Tensor, bitmask: np.ndarray,
-                        dead_end: str) -> Verdict:
-    """Walk the draft with the request's automaton, taking the masked argmax at each position;
-    the automaton is left as it was (the accepted tokens are appended the ordinary way)."""
+def _logprobs(positions: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Each token's log-probability at its position, with the top ``top`` there."""
+    logprobs = torch.log_softmax(positions[: len(tokens)].float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None]).squeeze(1).tolist()
+    if not top:
+        return [(lp, []) for lp in chosen]
+    best = torch.topk(logprobs, top, dim=-1)
+    return [(lp, list(zip(ids, values, strict=True)))
+            for lp, ids, values in zip(chosen, best.indices.tolist(), best.values.tolist(), strict=True)]
+
+
+def _sampled(positions: torch.Tensor, batch: SamplingBatch, i: int, first: int) -> torch.Tensor:
+    """Batch row ``i``'s samples at consecutive output positions, the first ``first`` tokens past
+    the request's current output."""
+    n = positions.shape[0]
+    idx = torch.full((n,), i, dtype=torch.int64, device=positions.device)
+    counters = batch.counters[idx] + torch.arange(first, first + n, device=positions.device)
+    return sample_rows(positions, batch, idx, counters)
+
+
+def _verify_constrained(req: Request, draft: list[int], positions: torch.Tensor, sampling: SamplingBatch | None,
+                        i: int, bitmask: np.ndarray, dead_end: str) -> tuple[Verdict, torch.Tensor]:
+    """Walk the draft with the request's automaton, taking the model's choice under the mask at
+    each position (argmax, or with ``sampling`` the sample of batch row ``i`` there); the
+    automaton is left as it was (the accepted tokens are appended the ordinary way). Returns
+    the verdict and the positions' scores under their masks (as far as the walk went)."""
     matcher = req.matcher
     assert matcher is not None
     walked = 0  # draft tokens the automaton has taken
     choice = int(positions[0].argmax())
+    masked: list[torch.Tensor] = []
     for j in range(len(draft) + 1):
         bitmask.fill(ALL_ALLOWED)
         matcher.fill_bitmask(bitmask, 0)
@@ -240,14 +287,15 @@ def _verify_constrained(req: Request, draft: list[int], positions: torch.Tensor,
                 req.dead_end = dead_end  # as a plain decode step would have found
             else:  # nothing may follow the last draft token: it is the model's choice, not a draft
                 matcher.rollback(walked)
-                return Verdict(draft[: j - 1], draft[j - 1])
+                return Verdict(draft[: j - 1], draft[j - 1]), torch.cat(masked)
             break
         scores = positions[j : j + 1].clone()
         apply_bitmask(scores, torch.from_numpy(bitmask).to(scores.device))
-        choice = int(scores.argmax())
+        masked.append(scores)
+        choice = int(scores.argmax()) if sampling is None else int(_sampled(scores, sampling, i, j)[0])
         if j == len(draft) or choice != draft[j] or not matcher.accept(choice):
             break
         walked += 1
     if walked:
         matcher.rollback(walked)
-    return Verdict(draft[:walked], choice)
+    return Verdict(draft[:walked], choice), torch.cat(masked) if masked else positions[:1]

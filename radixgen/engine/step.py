@@ -46,10 +46,13 @@ class StepPipeline:
                     _record_prompt_scores(plan, scores)
                 verdicts = None
                 if plan.draft_lens is not None:
-                    logits, verdicts = self.constraints.verify_drafts(plan, logits)
-                elif plan.verify_counts is not None:
-                    logits = self.constraints.verify_forced(plan, logits)
-                result = self.sampler(logits, self.sampling_batches.get(plan), self.constraints.bitmask(plan))
+                    sampling = self.sampling_batches.get(plan)
+                    logits, verdicts = self.constraints.verify_drafts(plan, logits, sampling)
+                else:
+                    if plan.verify_counts is not None:
+                        logits = self.constraints.verify_forced(plan, logits)
+                    sampling = self.sampling_batches.get(plan)
+                result = self.sampler(logits, sampling, self.constraints.bitmask(plan))
         except Exception as e:  # an internal fault fails this step's requests, not the engine
             logger.exception("step failed")
             self.scheduler.fail_step(plan, f"internal error: {type(e).__name__}: {e}")

@@ -52,6 +52,51 @@ def test_greedy_outputs_equal_those_without_speculation_alone_and_batched(
     assert stats.accepted_tokens > 0 and stats.drafted_tokens >= stats.accepted_tokens, stats.snapshot()
 
 
+def test_sampled_outputs_equal_those_without_speculation_for_the_same_seed(
+        make_engine: Callable[..., Engine]) -> None:
+    """A sampled request's drafts are checked against the token a decode step would sample at
+    each position (its counter-based uniform), so the output is the same sample as without
+    speculation: seeded, alone and batched, with the sampling filters, free and constrained.
+
+    The tiny random model's distributions are nearly flat over 49k tokens, where the last-bit
+    difference between an extend's and a decode's logits moves an inverse-CDF sample to a
+    neighbouring token; top-k keeps a handful, so the same uniform picks the same token (an
+    automaton's mask does the same for the regex)."""
+    plain = make_engine()
+    spec = make_engine(speculative="ngram")
+
+    def sampled(n: int, seed: int, **kw: Any) -> SamplingParams:
+        return SamplingParams(max_new_tokens=n, temperature=1.0, seed=seed, ignore_eos=True, **kw)
+
+    params = [sampled(48, 1, top_k=2), sampled(40, 2, top_k=3, top_p=0.8), sampled(40, 3, top_k=3),
+              sampled(32, 4, top_k=4, min_p=0.3), sampled(40, 5, top_k=2),
+              SamplingParams(max_new_tokens=40, temperature=1.0, seed=6, regex=r"(ab|cd){3,12}x")]
+    prompts = [*PROMPTS, "Pattern:"]
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+    stats = spec.scheduler.stats
+    # accepted drafts became output without a step each
+    assert stats.accepted_tokens > 0 and stats.num_decode_steps < plain.scheduler.stats.num_decode_steps, (
+        stats.snapshot())
+    assert [spec.generate(p, q).token_ids for p, q in zip(prompts, params, strict=True)] == expected
+
+
+def test_log_probabilities_of_drafted_tokens_are_those_of_a_decode_step(make_engine: Callable[..., Engine]) -> None:
+    plain = make_engine()
+    spec = make_engine(speculative="ngram")
+    params = [greedy(40, logprobs=True, top_logprobs=3), greedy(30, logprobs=True, regex=r"(ab|cd){3,12}x")]
+    prompts = [PROMPTS[1], "Pattern:"]
+    expected = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    assert spec.scheduler.stats.accepted_tokens > 0
+    for want, have in zip(expected, got, strict=True):
+        assert have.token_ids == want.token_ids
+        assert have.logprobs is not None and want.logprobs is not None and len(have.logprobs) == len(have.token_ids)
+        assert max(abs(a - b) for a, b in zip(have.logprobs, want.logprobs, strict=True)) < 1e-3
+    assert got[0].top_logprobs is not None and expected[0].top_logprobs is not None
+    assert [[t for t, _ in top] for top in got[0].top_logprobs] == [[t for t, _ in top] for top in expected[0].top_logprobs]
+
+
 def test_speculation_under_retraction_keeps_outputs_and_the_pool_balanced(make_engine: Callable[..., Engine]) -> None:
     roomy = make_engine()
     expected = [o.token_ids for o in roomy.generate(PROMPTS * 2, greedy(60))]
