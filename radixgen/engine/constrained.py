@@ -29,7 +29,7 @@ from radixgen.constraints.spec import ConstraintSpec
 from radixgen.constraints.structural import structural_parts
 from radixgen.engine.batch import StepPlan
 from radixgen.engine.request import Request
-from radixgen.engine.sampler import SamplingBatch
+from radixgen.engine.sampler import PenaltyState, SamplingBatch
 from radixgen.engine.speculative import Verdict, verify
 from radixgen.engine.steering import BudgetSteering
 from radixgen.errors import InvalidParamsError
@@ -167,10 +167,10 @@ class ConstrainedDecoding:
                     _DEAD_END)
         return torch.from_numpy(mask).to(self.device)
 
-    def verify_drafts(self, plan: StepPlan, logits: torch.Tensor, sampling: SamplingBatch
+    def verify_drafts(self, plan: StepPlan, logits: torch.Tensor, sampling: SamplingBatch, penalties: PenaltyState
                       ) -> tuple[torch.Tensor, dict[int, Verdict]]:
         """Speculative rows' drafts checked position by position (engine/speculative.py)."""
-        return verify(plan, logits, sampling, self._bitmask[:1], _DEAD_END)
+        return verify(plan, logits, sampling, penalties, self._bitmask[:1], _DEAD_END)
 
     def verify_forced(self, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
         """Check jump-forward's forced tokens against the model's greedy choice under the mask,

@@ -111,6 +111,8 @@ class ResultProcessor:
                 break
             if not last and (len(req.output_ids) != start + j + 1 or req.output_ids[-1] != token):
                 break  # steering put other tokens in its place: the rest of the draft no longer follows
+        if req.params.has_penalties:  # the sampler counted its own sample of the row, not these tokens
+            self.outputs.replaced_samples.append(req)
         self.planner.drafter.record(req, len(fed), len(verdict.accepted))
         appended = req.output_ids[start:]
         valid = 0  # drafts whose K/V this step computed and that are now output

@@ -65,6 +65,18 @@ class SamplingBatch:
     min_counters: np.ndarray | None = None  # [M] tokens generated so far (host copy of counters)
     min_banned: list[torch.Tensor] | None = None  # per min row: EOS and its stop token ids
 
+    def bias_positions(self, positions: torch.Tensor, i: int) -> torch.Tensor:
+        """Batch row ``i``'s logit bias added to each of its positions."""
+        if self.bias_index is None:
+            return positions
+        assert self.bias_values is not None
+        mine = self.bias_index[0] == i
+        if not bool(mine.any()):
+            return positions
+        positions = positions.clone()
+        positions[:, self.bias_index[1][mine]] += self.bias_values[mine]
+        return positions
+
     def mask_early_stops(self, logits: torch.Tensor) -> None:
         """Rows below their min_new_tokens cannot pick EOS or a stop token id yet."""
         if self.min_rows is None:
@@ -193,21 +205,40 @@ class PenaltyState:
         assert self.output_counts is not None and self.prompt_mask is not None, "penalty row not reset"
         assert batch.repetition is not None and batch.frequency is not None and batch.presence is not None
         rows = batch.rows[batch.penalized]
-        counts = self.output_counts[rows]  # [P, V]
-        seen = counts > 0
-        sub = logits[batch.penalized]
-        # HF repetition penalty: over prompt and output, divide positive logits, multiply negative.
-        rep = batch.repetition[:, None]
-        in_context = seen | self.prompt_mask[rows]
-        sub = torch.where(in_context, torch.where(sub > 0, sub / rep, sub * rep), sub)
-        sub = sub - batch.frequency[:, None] * counts - batch.presence[:, None] * seen
-        logits[batch.penalized] = sub
+        logits[batch.penalized] = _penalize(logits[batch.penalized], self.output_counts[rows], self.prompt_mask[rows],
+                                            batch.repetition[:, None], batch.frequency[:, None],
+                                            batch.presence[:, None])
+
+    def apply_positions(self, positions: torch.Tensor, batch: SamplingBatch, i: int, draft: list[int]) -> torch.Tensor:
+        """Batch row ``i``'s penalties at consecutive positions of a speculative step: position j
+        counts the first j draft tokens as output (they precede it)."""
+        assert batch.penalized is not None and batch.repetition is not None
+        assert batch.frequency is not None and batch.presence is not None
+        assert self.output_counts is not None and self.prompt_mask is not None, "penalty row not reset"
+        p = int((batch.penalized == i).nonzero()[0, 0])
+        row = batch.rows[i]
+        drafted = torch.zeros(positions.shape, dtype=torch.int32, device=positions.device)
+        if draft:
+            steps = torch.arange(1, len(draft) + 1, device=positions.device)
+            drafted[steps, torch.tensor(draft, dtype=torch.int64, device=positions.device)] = 1
+        counts = self.output_counts[row][None, :] + drafted.cumsum(dim=0, dtype=torch.int32)
+        return _penalize(positions, counts, self.prompt_mask[row][None, :], batch.repetition[p], batch.frequency[p],
+                         batch.presence[p])
 
     def record(self, batch: SamplingBatch, token_ids: torch.Tensor) -> None:
         if batch.penalized is None or self.output_counts is None:
             return
         rows = batch.rows[batch.penalized]
         self.output_counts[rows, token_ids[batch.penalized]] += 1
+
+
+def _penalize(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor, repetition: torch.Tensor,
+              frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    seen = counts > 0
+    # HF repetition penalty: over prompt and output, divide positive logits, multiply negative.
+    in_context = seen | prompt_mask
+    logits = torch.where(in_context, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return logits - frequency * counts - presence * seen
 
 
 class Sampler:

@@ -17,10 +17,10 @@ a nearly flat distribution, a last-bit difference can move it): for a draft that
 token this is speculative sampling, which accepts a draft with the probability the model gives
 it, with the same acceptance rate and the target's distribution exactly.
 
-Requested log-probabilities come from each verified position's logits, as a decode step's do.
-A request whose drafts stop being accepted stops drafting (``_GIVE_UP_*``). Penalties and logit
-biases are not speculated (the sampler's state for them is per step, not per position), nor
-requests with validators (a rollback would reach into verified drafts).
+Each position gets what the sampler does to a decode step's logits: the penalties (counting the
+drafts before it as output), the logit bias, the mask; requested log-probabilities come from
+it too. A request whose drafts stop being accepted stops drafting (``_GIVE_UP_*``). Requests
+with validators are not speculated (a rollback would reach into verified drafts).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from radixgen.constraints import apply_bitmask
 from radixgen.constraints.mask import ALL_ALLOWED, ban_tokens
 from radixgen.engine.batch import StepPlan
 from radixgen.engine.request import Request
-from radixgen.engine.sampler import SamplingBatch, sample_rows
+from radixgen.engine.sampler import PenaltyState, SamplingBatch, sample_rows
 
 # After this many drafted tokens, a request whose drafts were accepted less often than this
 # stops drafting: each drafted token costs a position of compute in the step.
@@ -130,7 +130,7 @@ class NgramDrafter:
     def eligible(self, req: Request) -> bool:
         p = req.params
         wanted = self.by_default if p.speculative is None else p.speculative
-        return wanted and not p.has_penalties and not p.logit_bias and req.validation is None
+        return wanted and req.validation is None
 
     def draft(self, reqs: list[Request]) -> dict[Request, list[int]]:
         """Drafts for this step's running requests (those that have one), within the budget."""
@@ -198,7 +198,7 @@ def _grammatical_prefix(req: Request, draft: list[int]) -> list[int]:
     return draft[:taken]
 
 
-def verify(plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch, bitmask: np.ndarray,
+def verify(plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState, bitmask: np.ndarray,
            dead_end: str) -> tuple[torch.Tensor, dict[int, Verdict]]:
     """Check each speculative row's drafts against the model's own choice at every position:
     its argmax for a greedy request, for a sampled one the token a decode step would sample
@@ -207,7 +207,8 @@ def verify(plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch, bitmask: 
 
     ``logits`` holds the batch's last positions first, then for each speculative row the
     positions before each of its drafts (``ModelRunner.forward``). Returns the batch's rows and
-    a verdict per speculative row. ``batch``: the step's sampling parameters; ``bitmask``: a
+    a verdict per speculative row. ``batch``: the step's sampling parameters, ``penalties``
+    the sampler's token counts (a position's penalties count the drafts before it); ``bitmask``: a
     one-row host buffer for constrained rows; ``dead_end``: why a constrained row whose mask
     allows nothing cannot go on."""
     assert plan.draft_lens is not None
@@ -224,10 +225,16 @@ def verify(plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch, bitmask: 
         state = req.speculation
         assert state is not None and len(state.draft) == k
         greedy = bool(batch.is_greedy[i])
+        positions = torch.cat([extra[row : row + k], logits[i : i + 1]])
+        # what the sampler does to a decode step's logits before it chooses
+        adjusted = req.params.has_penalties or bool(req.params.logit_bias)
+        if req.params.has_penalties:
+            positions = penalties.apply_positions(positions, batch, i, state.draft)
+        positions = batch.bias_positions(positions, i)
         if req.matcher is None:
-            positions = torch.cat([extra[row : row + k], logits[i : i + 1]])
             if greedy:
-                choices = [*extra_choice[row : row + k], last_choice[i]]
+                choices = positions.argmax(dim=-1).tolist() if adjusted else [*extra_choice[row : row + k],
+                                                                               last_choice[i]]
             else:
                 choices = _sampled(positions, batch, i, 0).tolist()
             accepted = 0
@@ -235,7 +242,6 @@ def verify(plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch, bitmask: 
                 accepted += 1
             verdict = Verdict(state.draft[:accepted], choices[accepted])
         else:
-            positions = torch.cat([extra[row : row + k], logits[i : i + 1]])
             verdict, positions = _verify_constrained(req, state.draft, positions, batch if not greedy else None, i,
                                                      bitmask, dead_end)
         if req.params.logprobs or req.params.top_logprobs:

@@ -47,7 +47,7 @@ class StepPipeline:
                 verdicts = None
                 if plan.draft_lens is not None:
                     sampling = self.sampling_batches.get(plan)
-                    logits, verdicts = self.constraints.verify_drafts(plan, logits, sampling)
+                    logits, verdicts = self.constraints.verify_drafts(plan, logits, sampling, self.sampler.penalties)
                 else:
                     if plan.verify_counts is not None:
                         logits = self.constraints.verify_forced(plan, logits)

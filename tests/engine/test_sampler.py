@@ -118,6 +118,29 @@ def test_penalties_change_logits_as_specified() -> None:
     assert sampler.penalties.output_counts is not None and sampler.penalties.output_counts[0, 12] == 1
 
 
+def test_penalties_at_speculative_positions_equal_one_decode_step_after_another() -> None:
+    """Position j of a speculative step is penalised as the decode step after the first j
+    drafts would be: the drafts count as output before it (here 2 is a prompt token only and
+    12 a new one, so presence and frequency both change along the draft)."""
+    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.25)
+    req = _requests([params, SamplingParams()])[0]
+    req.output_ids = [10, 10, 11]
+    draft = [2, 12, 12, 10]
+    positions = torch.randn(len(draft) + 1, VOCAB)
+    sampler = Sampler(VOCAB, 4, torch.device("cpu"))
+    sampler.penalties.reset_row(0, req.prompt_ids, req.output_ids)
+    other = _requests([SamplingParams(), params])[1]  # the penalised request is batch row 1
+    other.output_ids, other.pool_row = list(req.output_ids), 0
+    batch = SamplingBatch.from_requests([_requests([SamplingParams()])[0], other], VOCAB, torch.device("cpu"))
+    got = sampler.penalties.apply_positions(positions, batch, 1, draft)
+    step_by_step = Sampler(VOCAB, 4, torch.device("cpu"))
+    for j in range(len(draft) + 1):
+        step_by_step.penalties.reset_row(0, req.prompt_ids, req.output_ids + draft[:j])
+        one = positions[j : j + 1].clone()
+        step_by_step.penalties.apply(one, SamplingBatch.from_requests([req], VOCAB, torch.device("cpu")))
+        torch.testing.assert_close(got[j], one[0])
+
+
 def test_logprobs_are_of_the_model_distribution() -> None:
     logits = torch.randn(3, VOCAB)
     res = _sample(logits, _requests([SamplingParams(temperature=0, logprobs=True, top_logprobs=3)] * 3))

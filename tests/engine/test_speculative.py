@@ -97,6 +97,27 @@ def test_log_probabilities_of_drafted_tokens_are_those_of_a_decode_step(make_eng
     assert [[t for t, _ in top] for top in got[0].top_logprobs] == [[t for t, _ in top] for top in expected[0].top_logprobs]
 
 
+def test_penalties_and_logit_bias_count_the_drafts_before_each_position(make_engine: Callable[..., Engine]) -> None:
+    """Through the engine: penalised and biased rows speculate and give the outputs they give
+    without (test_sampler checks the penalties of each position exactly; the tiny model copies
+    little once penalised strongly, so the light penalties are the ones whose drafts pass)."""
+    plain = make_engine()
+    spec = make_engine(speculative="ngram")
+    params = [greedy(48, repetition_penalty=1.3), greedy(40, frequency_penalty=0.4, presence_penalty=0.3),
+              greedy(64, frequency_penalty=0.02), greedy(64, frequency_penalty=0.05),
+              greedy(40, logit_bias={9: 5.0, 8: -100.0}),
+              SamplingParams(max_new_tokens=40, temperature=1.0, seed=3, top_k=3, ignore_eos=True,
+                             repetition_penalty=1.2, logit_bias={10: 2.0})]
+    prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+    assert 8 not in expected[4]
+    for j in (2, 3):  # alone, the lightly penalised rows copy: their counts must include the accepted drafts
+        before = spec.scheduler.stats.accepted_tokens
+        assert spec.generate(prompts[j], params[j]).token_ids == expected[j]
+        assert spec.scheduler.stats.accepted_tokens > before, spec.scheduler.stats.snapshot()
+
+
 def test_speculation_under_retraction_keeps_outputs_and_the_pool_balanced(make_engine: Callable[..., Engine]) -> None:
     roomy = make_engine()
     expected = [o.token_ids for o in roomy.generate(PROMPTS * 2, greedy(60))]
