@@ -40,6 +40,8 @@ class ResultProcessor:
         """Apply a step's sampled tokens (and a speculative step's verdicts); return the outputs
         handed to callbacks (finals always)."""
         outputs: list[RequestOutput] = []
+        if self.planner.drafter.active:
+            self.planner.drafter.cost.observe(plan, forward_s)
         token_ids = result.token_ids.tolist()
         allow_jump = len(self.planner.running) <= self.config.jump_forward_max_batch
         num_prefill = plan.num_prefill if plan.kind is StepKind.PREFILL else 0

@@ -33,14 +33,16 @@ import torch
 from radixgen.config import EngineConfig
 from radixgen.constraints import apply_bitmask
 from radixgen.constraints.mask import ALL_ALLOWED, ban_tokens
-from radixgen.engine.batch import StepPlan
+from radixgen.engine.batch import StepKind, StepPlan
 from radixgen.engine.request import Request
 from radixgen.engine.sampler import PenaltyState, SamplingBatch, sample_rows
 
-# After this many drafted tokens, a request whose drafts were accepted less often than this
-# stops drafting: each drafted token costs a position of compute in the step.
+# After this many drafted tokens, a request whose drafts were accepted less often than they
+# must be to pay (DraftCost.break_even; _GIVE_UP_BELOW until the engine has measured it) stops
+# drafting: each drafted token costs a position of compute in the step.
 _GIVE_UP_AFTER = 24
 _GIVE_UP_BELOW = 0.2
+_COST_SMOOTHING = 0.1  # weight of the newest step in the running step-time averages
 _MIN_MATCH = 2
 # Only the most recent tokens are indexed: a draft comes from the latest occurrence anyway.
 _INDEX_WINDOW = 4096
@@ -110,6 +112,45 @@ class Verdict:
     top alternatives under the model's distribution at its position, as a decode step gives."""
 
 
+class DraftCost:
+    """What a drafted position costs against what an accepted one saves, measured on this
+    engine's own steps, per batch size (rounded to a power of two): a decode step of B rows
+    yields B tokens in t(B); a speculative step of B rows and E drafted positions takes
+    t(B) + E*m. A drafted token is accepted with probability a and then saves t(B)/B of
+    decode time, so drafting pays when a > m*B/t(B), the break-even acceptance."""
+
+    def __init__(self) -> None:
+        self._decode_s: dict[int, float] = {}
+        self._per_draft_s: dict[int, float] = {}
+
+    @staticmethod
+    def _bucket(rows: int) -> int:
+        return 1 << max(rows - 1, 0).bit_length()
+
+    def observe(self, plan: StepPlan, seconds: float) -> None:
+        rows = self._bucket(len(plan.requests))
+        if plan.draft_lens is None:
+            if plan.kind is StepKind.DECODE:
+                self._decode_s[rows] = _smoothed(self._decode_s.get(rows), seconds)
+            return
+        base = self._decode_s.get(rows)
+        drafted = int(plan.draft_lens.sum())
+        if base is not None and drafted:
+            self._per_draft_s[rows] = _smoothed(self._per_draft_s.get(rows), max(seconds - base, 0.0) / drafted)
+
+    def break_even(self, rows: int) -> float:
+        """The acceptance a request's drafts need to pay at this batch size."""
+        bucket = self._bucket(rows)
+        base, per_draft = self._decode_s.get(bucket), self._per_draft_s.get(bucket)
+        if base is None or per_draft is None or base <= 0:
+            return _GIVE_UP_BELOW
+        return min(max(per_draft * rows / base, 0.05), 0.95)
+
+
+def _smoothed(average: float | None, value: float) -> float:
+    return value if average is None else average + _COST_SMOOTHING * (value - average)
+
+
 class NgramDrafter:
     def __init__(self, config: EngineConfig, max_context_len: int) -> None:
         self.by_default = config.speculative == "ngram"
@@ -121,6 +162,8 @@ class NgramDrafter:
         self.ngram_max = config.speculative_ngram_max
         self.drafted_tokens = 0
         self.accepted_tokens = 0
+        self.cost = DraftCost()
+        self._rows = 1  # the running batch at the last draft
 
     @property
     def active(self) -> bool:
@@ -136,6 +179,7 @@ class NgramDrafter:
         """Drafts for this step's running requests (those that have one), within the budget."""
         budget = self.step_budget
         drafts: dict[Request, list[int]] = {}
+        self._rows = len(reqs)
         for req in reqs:
             if budget <= 0:
                 break
@@ -170,7 +214,7 @@ class NgramDrafter:
             state.length = min(self.max_draft, 2 * drafted) if accepted == drafted else accepted + 1
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
-        if state.drafted >= _GIVE_UP_AFTER and state.accepted < _GIVE_UP_BELOW * state.drafted:
+        if state.drafted >= _GIVE_UP_AFTER and state.accepted < self.cost.break_even(self._rows) * state.drafted:
             state.gave_up = True
 
 

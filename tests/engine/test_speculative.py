@@ -36,6 +36,36 @@ def test_the_index_finds_the_latest_earlier_occurrence_of_the_longest_suffix() -
     assert lone.propose([4, 5, 6], 3) == [], "the suffix itself is not an earlier occurrence"
 
 
+def test_drafts_must_be_accepted_as_often_as_they_cost_at_the_batch_size() -> None:
+    """The break-even acceptance is a drafted position's cost over a decode step's cost per
+    token, measured per batch size: at batch 1 a decode step of 20 ms and 4 ms per drafted
+    position need 0.2; at batch 16 a step of 40 ms (2.5 ms a token) and 1 ms per position 0.4."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from radixgen.engine.batch import StepKind
+    from radixgen.engine.speculative import DraftCost
+
+    def plan(rows: int, drafts: list[int] | None) -> Any:
+        kind = StepKind.DECODE if drafts is None else StepKind.PREFILL
+        lens = None if drafts is None else np.array(drafts + [0] * (rows - len(drafts)))
+        return SimpleNamespace(requests=[None] * rows, draft_lens=lens, kind=kind)
+
+    cost = DraftCost()
+    assert cost.break_even(1) == pytest.approx(0.2), "the default before anything is measured"
+    cost.observe(plan(1, [2]), 0.028)  # no decode step of that size yet: nothing to compare with
+    assert cost.break_even(1) == pytest.approx(0.2)
+    for _ in range(3):
+        cost.observe(plan(1, None), 0.020)
+        cost.observe(plan(1, [2]), 0.028)
+        cost.observe(plan(16, None), 0.040)
+        cost.observe(plan(16, [4, 4]), 0.048)
+    assert cost.break_even(1) == pytest.approx(0.2)
+    assert cost.break_even(16) == pytest.approx(0.4)
+    assert cost.break_even(12) == pytest.approx(0.3), "12 rows share the 16-row bucket's step times"
+
+
 @pytest.mark.parametrize("cache", [True, False])
 def test_greedy_outputs_equal_those_without_speculation_alone_and_batched(
         make_engine: Callable[..., Engine], cache: bool) -> None:
