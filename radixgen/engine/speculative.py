@@ -19,8 +19,9 @@ it, with the same acceptance rate and the target's distribution exactly.
 
 Each position gets what the sampler does to a decode step's logits: the penalties (counting the
 drafts before it as output), the logit bias, the mask; requested log-probabilities come from
-it too. A request whose drafts stop being accepted stops drafting (``_GIVE_UP_*``). Requests
-with validators are not speculated (a rollback would reach into verified drafts).
+it too. Validators see the accepted tokens one by one as they are appended, and a rejection
+rolls them back like any others. A request whose drafts stop being accepted often enough to pay
+for themselves stops drafting (``DraftCost``).
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ class NgramDrafter:
     def eligible(self, req: Request) -> bool:
         p = req.params
         wanted = self.by_default if p.speculative is None else p.speculative
-        return wanted and req.validation is None
+        return wanted
 
     def draft(self, reqs: list[Request]) -> dict[Request, list[int]]:
         """Drafts for this step's running requests (those that have one), within the budget."""

@@ -173,6 +173,35 @@ def test_constrained_outputs_equal_and_valid_with_speculation(make_engine: Calla
     assert spec.scheduler.stats.drafted_tokens > 0, "the constrained requests drafted"
 
 
+def test_validators_see_the_accepted_drafts_and_roll_them_back(make_engine: Callable[..., Engine]) -> None:
+    """A validator that rejects a value made of drafted tokens rolls the output back into the
+    verified draft, and the result is the one without speculation (here every copy of the
+    first value is refused, so the request resamples while drafting from its own output)."""
+    plain = make_engine()
+    spec = make_engine(speculative="ngram")
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                                                         "minItems": 3, "maxItems": 5}}, "required": ["items"]}
+
+    def run(engine: Engine) -> tuple[list[int], int]:
+        seen: list[str] = []
+
+        def new_items_only(item: str) -> bool:
+            ok = item not in seen
+            seen.append(item)
+            return ok
+
+        before = engine.scheduler.stats.num_rollbacks
+        out = engine.generate("List:", greedy(120, json_schema=schema, validators={"$.items[*]": new_items_only},
+                                              max_validation_retries=30))
+        assert out.finish_reason.value in ("stop", "constraint_violation"), out
+        return out.token_ids, engine.scheduler.stats.num_rollbacks - before
+
+    expected, plain_rollbacks = run(plain)
+    got, spec_rollbacks = run(spec)
+    assert got == expected and spec_rollbacks == plain_rollbacks > 0
+    assert spec.scheduler.stats.drafted_tokens > 0
+
+
 def test_a_request_overrides_the_engine_setting_either_way(make_engine: Callable[..., Engine]) -> None:
     off = make_engine()
     expected = off.generate(PROMPTS[1], greedy(48)).token_ids
