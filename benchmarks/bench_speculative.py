@@ -3,7 +3,8 @@ off and on, side by side in one run (rounds alternate), and whether the outputs 
 
 Workloads: copying (repeat a paragraph), extraction into a JSON schema, a regex answer that
 copies from the text, and free chat (little to copy: what speculation costs when it misses);
-each alone (batch 1) and as a batch of 4.
+each alone (batch 1) and as a batch of 4; and 16 extractions at once, where jump-forward is off
+(past jump_forward_max_batch) and the keys the schema forces are drafted instead.
 
 ``--temperature T`` runs the same workloads sampled (seeded per job, so both modes draw the
 same uniforms): a sampled request's drafts are checked against the token a decode step would
@@ -15,6 +16,7 @@ sample, so they are accepted about as often as the model gives the drafted token
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -51,7 +53,9 @@ def workloads(engine: Engine, temperature: float) -> dict[str, list[tuple[str, S
     free = (chat([{"role": "user", "content": "Write a short story about a lighthouse keeper."}]),
             SamplingParams(max_new_tokens=160, seed=4, **sampling))
     return {"copy": [copy], "extract": [extract], "regex": [regex], "free chat": [free],
-            "batch of 4": [copy, extract, regex, free]}
+            "batch of 4": [copy, extract, regex, free],
+            # past jump_forward_max_batch: the schema's keys are decoded, or drafted with speculation
+            "16 extractions": [(extract[0], dataclasses.replace(extract[1], seed=10 + i)) for i in range(16)]}
 
 
 def run(engine: Engine, jobs: list[tuple[str, SamplingParams]]) -> tuple[float, int, list[list[int]]]:

@@ -43,6 +43,7 @@ class Scheduler:
         self._log = StepLog()
         self.planner = BatchPlanner(config, self.kv, self.stats, self._log,
                                     finish_too_long=self._end_at_length)
+        self.planner.drafter.tokenizer = tokenizer  # a constraint's forced text is drafted as its tokens
         self.results = ResultProcessor(config, self.kv, self.planner, self.outputs, self.stats, self._log,
                                        self.requests)
 

@@ -27,6 +27,7 @@ for themselves stops drafting (``DraftCost``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,7 +44,7 @@ from radixgen.engine.sampler import PenaltyState, SamplingBatch, sample_rows
 # drafting: each drafted token costs a position of compute in the step.
 _GIVE_UP_AFTER = 24
 _GIVE_UP_BELOW = 0.2
-_COST_SMOOTHING = 0.1  # weight of the newest step in the running step-time averages
+_COST_SMOOTHING = 0.1  # how fast older steps fade from the step-time fit
 _MIN_MATCH = 2
 # Only the most recent tokens are indexed: a draft comes from the latest occurrence anyway.
 _INDEX_WINDOW = 4096
@@ -115,41 +116,42 @@ class Verdict:
 
 class DraftCost:
     """What a drafted position costs against what an accepted one saves, measured on this
-    engine's own steps, per batch size (rounded to a power of two): a decode step of B rows
-    yields B tokens in t(B); a speculative step of B rows and E drafted positions takes
-    t(B) + E*m. A drafted token is accepted with probability a and then saves t(B)/B of
-    decode time, so drafting pays when a > m*B/t(B), the break-even acceptance."""
+    engine's own steps, per batch size (rounded to a power of two): a step of B rows and E
+    drafted positions takes t(B) + E*m, fitted by least squares over recent steps (decode steps
+    are E = 0; when every row drafts, the drafts' own variation separates the two). A drafted
+    token is accepted with probability a and then saves t(B)/B of decode time, so drafting pays
+    when a > m*B/t(B), the break-even acceptance."""
 
     def __init__(self) -> None:
-        self._decode_s: dict[int, float] = {}
-        self._per_draft_s: dict[int, float] = {}
+        # per bucket, exponentially weighted sums: weight, E, t, E*E, E*t
+        self._sums: dict[int, list[float]] = {}
 
     @staticmethod
     def _bucket(rows: int) -> int:
         return 1 << max(rows - 1, 0).bit_length()
 
     def observe(self, plan: StepPlan, seconds: float) -> None:
-        rows = self._bucket(len(plan.requests))
-        if plan.draft_lens is None:
-            if plan.kind is StepKind.DECODE:
-                self._decode_s[rows] = _smoothed(self._decode_s.get(rows), seconds)
-            return
-        base = self._decode_s.get(rows)
-        drafted = int(plan.draft_lens.sum())
-        if base is not None and drafted:
-            self._per_draft_s[rows] = _smoothed(self._per_draft_s.get(rows), max(seconds - base, 0.0) / drafted)
+        if plan.draft_lens is None and plan.kind is not StepKind.DECODE:
+            return  # prefill and mixed steps: their time is the prompts'
+        drafted = float(plan.draft_lens.sum()) if plan.draft_lens is not None else 0.0
+        sums = self._sums.setdefault(self._bucket(len(plan.requests)), [0.0] * 5)
+        for k, value in enumerate((1.0, drafted, seconds, drafted * drafted, drafted * seconds)):
+            sums[k] = (1 - _COST_SMOOTHING) * sums[k] + value
 
     def break_even(self, rows: int) -> float:
         """The acceptance a request's drafts need to pay at this batch size."""
-        bucket = self._bucket(rows)
-        base, per_draft = self._decode_s.get(bucket), self._per_draft_s.get(bucket)
-        if base is None or per_draft is None or base <= 0:
+        sums = self._sums.get(self._bucket(rows))
+        if sums is None:
             return _GIVE_UP_BELOW
-        return min(max(per_draft * rows / base, 0.05), 0.95)
-
-
-def _smoothed(average: float | None, value: float) -> float:
-    return value if average is None else average + _COST_SMOOTHING * (value - average)
+        n, e, t, ee, et = sums
+        spread = n * ee - e * e
+        if spread <= 0.25 * n * n:  # the drafted counts hardly vary yet: the fit would be noise
+            return _GIVE_UP_BELOW
+        per_draft = max((n * et - e * t) / spread, 0.0)
+        step = (t - per_draft * e) / n
+        if step <= 0:
+            return _GIVE_UP_BELOW
+        return min(max(per_draft * rows / step, 0.05), 0.95)
 
 
 class NgramDrafter:
@@ -165,6 +167,7 @@ class NgramDrafter:
         self.accepted_tokens = 0
         self.cost = DraftCost()
         self._rows = 1  # the running batch at the last draft
+        self.tokenizer: Any = None
 
     @property
     def active(self) -> bool:
@@ -196,7 +199,8 @@ class NgramDrafter:
                 continue
             tokens = _current_tokens(req, state)
             state.index.update(tokens)
-            draft = state.index.propose(tokens, room)
+            forced = self._forced(req, room) if req.matcher is not None else []
+            draft = forced + state.index.propose(tokens + forced, room - len(forced))
             if draft and req.matcher is not None:
                 draft = _grammatical_prefix(req, draft)
             if draft:
@@ -204,6 +208,16 @@ class NgramDrafter:
                 drafts[req] = draft
                 budget -= len(draft)
         return drafts
+
+    def _forced(self, req: Request, room: int) -> list[int]:
+        """The tokens of the text the request's automaton forces next (jump-forward's text, here
+        verified in the step instead of appended before it), the last one left for the model
+        as jump-forward leaves it: it may merge with what follows."""
+        assert req.matcher is not None
+        text = req.matcher.forced_string() if self.tokenizer is not None else ""
+        if not text:
+            return []
+        return list(self.tokenizer.encode(text, add_special_tokens=False))[:-1][:room]
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
         state = req.speculation

@@ -54,13 +54,15 @@ def test_drafts_must_be_accepted_as_often_as_they_cost_at_the_batch_size() -> No
 
     cost = DraftCost()
     assert cost.break_even(1) == pytest.approx(0.2), "the default before anything is measured"
-    cost.observe(plan(1, [2]), 0.028)  # no decode step of that size yet: nothing to compare with
+    cost.observe(plan(1, [2]), 0.028)  # one step: no fit yet
     assert cost.break_even(1) == pytest.approx(0.2)
     for _ in range(3):
         cost.observe(plan(1, None), 0.020)
         cost.observe(plan(1, [2]), 0.028)
-        cost.observe(plan(16, None), 0.040)
+        # every row drafts at 16: the drafts' own variation separates the step from the drafts
         cost.observe(plan(16, [4, 4]), 0.048)
+        cost.observe(plan(16, [8, 8]), 0.056)
+        cost.observe(plan(16, [2, 2]), 0.044)
     assert cost.break_even(1) == pytest.approx(0.2)
     assert cost.break_even(16) == pytest.approx(0.4)
     assert cost.break_even(12) == pytest.approx(0.3), "12 rows share the 16-row bucket's step times"
@@ -200,6 +202,24 @@ def test_validators_see_the_accepted_drafts_and_roll_them_back(make_engine: Call
     got, spec_rollbacks = run(spec)
     assert got == expected and spec_rollbacks == plain_rollbacks > 0
     assert spec.scheduler.stats.drafted_tokens > 0
+
+
+def test_the_text_a_constraint_forces_is_drafted(make_engine: Callable[..., Engine]) -> None:
+    """Without jump-forward (as in batches past jump_forward_max_batch) the keys a schema forces
+    are drafted and verified in the step, not decoded one by one: fewer steps, same output."""
+    schema = {"type": "object", "properties": {"first_name": {"type": "string", "maxLength": 8},
+                                               "family_name": {"type": "string", "maxLength": 8},
+                                               "home_town": {"type": "string", "maxLength": 8}},
+              "required": ["first_name", "family_name", "home_town"], "additionalProperties": False}
+    plain = make_engine(jump_forward=False)
+    spec = make_engine(jump_forward=False, speculative="ngram")
+    params = SamplingParams(max_new_tokens=80, temperature=0.0, json_schema=schema)
+    expected = plain.generate("Person:", params)
+    got = spec.generate("Person:", params)
+    assert got.token_ids == expected.token_ids and got.finish_reason.value == "stop"
+    stats = spec.scheduler.stats
+    assert stats.accepted_tokens >= 6, stats.snapshot()  # at least the three keys' forced tokens
+    assert stats.num_decode_steps < plain.scheduler.stats.num_decode_steps
 
 
 def test_a_request_overrides_the_engine_setting_either_way(make_engine: Callable[..., Engine]) -> None:
