@@ -284,16 +284,25 @@ def verify(plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch, penalties
         state = req.speculation
         assert state is not None and len(state.draft) == k
         greedy = bool(batch.is_greedy[i])
+        adjusted = req.params.has_penalties or bool(req.params.logit_bias)
+        wants_logprobs = bool(req.params.logprobs or req.params.top_logprobs)
+        if greedy and req.matcher is None and not adjusted and not wants_logprobs:
+            # the common case: the argmaxes of the whole step, no copy of this row's logits
+            choices = [*extra_choice[row : row + k], last_choice[i]]
+            accepted = 0
+            while accepted < k and choices[accepted] == state.draft[accepted]:
+                accepted += 1
+            verdicts[i] = Verdict(state.draft[:accepted], choices[accepted])
+            row += k
+            continue
         positions = torch.cat([extra[row : row + k], logits[i : i + 1]])
         # what the sampler does to a decode step's logits before it chooses
-        adjusted = req.params.has_penalties or bool(req.params.logit_bias)
         if req.params.has_penalties:
             positions = penalties.apply_positions(positions, batch, i, state.draft)
         positions = batch.bias_positions(positions, i)
         if req.matcher is None:
             if greedy:
-                choices = positions.argmax(dim=-1).tolist() if adjusted else [*extra_choice[row : row + k],
-                                                                               last_choice[i]]
+                choices = positions.argmax(dim=-1).tolist()
             else:
                 choices = _sampled(positions, batch, i, 0).tolist()
             accepted = 0
@@ -303,7 +312,7 @@ def verify(plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch, penalties
         else:
             verdict, positions = _verify_constrained(req, state.draft, positions, batch if not greedy else None, i,
                                                      bitmask, dead_end)
-        if req.params.logprobs or req.params.top_logprobs:
+        if wants_logprobs:
             verdict.logprobs = _logprobs(positions, [*verdict.accepted, verdict.next_token], req.params.top_logprobs)
         verdicts[i] = verdict
         row += k
