@@ -144,7 +144,7 @@ class OutputProcessor:
         if not forced or self.tokenizer is None:
             return [token]
         room = req.params.max_new_tokens - len(req.output_ids) - 1
-        ids = list(self.tokenizer.encode(forced, add_special_tokens=False))[:-1][:room]
+        ids = forced_token_ids(self.tokenizer, forced)[:room]
         if len(ids) < 2:
             return [token]
         for n, t in enumerate(ids):
@@ -266,3 +266,8 @@ class OutputProcessor:
         req.on_output(out)
         return out
 
+
+def forced_token_ids(tokenizer: Any, forced: str) -> list[int]:
+    """The tokens of a constraint's forced text, the last one left for the model: it may merge
+    with what follows ('"' + 'John' -> '"John')."""
+    return list(tokenizer.encode(forced, add_special_tokens=False))[:-1]

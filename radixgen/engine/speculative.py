@@ -36,6 +36,7 @@ from radixgen.config import EngineConfig
 from radixgen.constraints import apply_bitmask
 from radixgen.constraints.mask import ALL_ALLOWED, ban_tokens
 from radixgen.engine.batch import StepKind, StepPlan
+from radixgen.engine.outputs import forced_token_ids
 from radixgen.engine.request import Request
 from radixgen.engine.sampler import PenaltyState, SamplingBatch, sample_rows
 
@@ -217,7 +218,7 @@ class NgramDrafter:
         text = req.matcher.forced_string() if self.tokenizer is not None else ""
         if not text:
             return []
-        return list(self.tokenizer.encode(text, add_special_tokens=False))[:-1][:room]
+        return forced_token_ids(self.tokenizer, text)[:room]
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
         state = req.speculation
