@@ -9,6 +9,7 @@ and its ratio to the real SmolLM2 forward of a decode batch of the same size.
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 import time
 from pathlib import Path
@@ -20,8 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_json  # noqa: E402
 from radixgen import EngineConfig, SamplingParams  # noqa: E402
+from radixgen.engine.deltas import StepDeltas  # noqa: E402
 from radixgen.engine.kv_pool import KVPool  # noqa: E402
-from radixgen.engine.request import Request  # noqa: E402
+from radixgen.engine.request import Request, RequestOutput  # noqa: E402
 from radixgen.engine.sampler import SampleResult, SamplingBatchCache  # noqa: E402
 from radixgen.engine.scheduler import Scheduler  # noqa: E402
 
@@ -31,18 +33,23 @@ SAMPLE_TEXT = ("The scheduler decides, at every step, which requests run: naïve
                "but this one — measured in µs — should not. 日本語のテキストも少し。 Emoji too: 🚀🔥. ") * 8
 
 
-def scheduler_step_us(running: int, steps: int, tokenizer: Any = None) -> float:
+def scheduler_step_us(running: int, steps: int, tokenizer: Any = None, served: bool = False) -> float:
     """With a tokenizer the step includes what a served step does per token: detokenization
-    and a streamed output handed to each request's callback."""
+    and a streamed output handed to each request's callback. ``served``: the outputs go as the
+    engine process sends them to the HTTP front (deltas as columns, one pickled message per
+    step, engine/process.py), the message's serialization counted."""
     config = EngineConfig(max_running_requests=max(running, 1), kv_cache_tokens=running * (PROMPT_LEN + steps + 64) + 64,
                           max_context_len=4096, max_prefill_tokens=running * PROMPT_LEN + 1)
     pool = KVPool(num_slots=config.kv_cache_tokens or 0, num_layers=1, num_kv_heads=1, head_dim=1,
                   dtype=torch.float16, device="cpu", max_rows=config.max_running_requests, max_context_len=4096)
     sched = Scheduler(config, pool, tokenizer, eos_token_ids=())
     params = SamplingParams(max_new_tokens=10**6 // 1000, temperature=0.7, top_p=0.9, ignore_eos=True)
+    pending: list[RequestOutput] = []
+    deltas = StepDeltas()
     for i in range(running):
         sched.add_request(Request(f"r{i}", [5 + (i * 31 + j) % 40000 for j in range(PROMPT_LEN)], params, rng_seed=i,
-                                  on_output=lambda out: None, stream=True))
+                                  on_output=pending.append if served else lambda out: None, stream=True,
+                                  deltas=deltas if served else None))
     # each request "samples" the tokens of a real text, from its own offset (real text decodes
     # as it would in serving: multi-byte characters, spaces merged into tokens)
     text_ids = np.asarray(tokenizer.encode(SAMPLE_TEXT, add_special_tokens=False) if tokenizer else [7], dtype=np.int64)
@@ -50,7 +57,7 @@ def scheduler_step_us(running: int, steps: int, tokenizer: Any = None) -> float:
     plan = sched.schedule()
     assert plan is not None and plan.batch_size == running
     sched.process_results(plan, SampleResult(text_ids[offsets % len(text_ids)], None, None, None))
-    batches = SamplingBatchCache(49152, torch.device("cpu"))
+    batches = SamplingBatchCache(49152, torch.device("cpu"), sched.kv.row_params)
     total = 0.0
     for step in range(1, steps + 1):
         sampled = text_ids[(offsets + step) % len(text_ids)]
@@ -59,6 +66,9 @@ def scheduler_step_us(running: int, steps: int, tokenizer: Any = None) -> float:
         assert plan is not None and plan.batch_size == running
         batches.get(plan)
         sched.process_results(plan, SampleResult(sampled, None, None, None))
+        if served:
+            pickle.dumps(("outputs", (pending[:], deltas.take())), protocol=pickle.HIGHEST_PROTOCOL)
+            pending.clear()
         total += time.perf_counter() - start
     return total / steps * 1e6
 
@@ -110,14 +120,16 @@ def main() -> None:
     for running in map(int, args.running.split(",")):
         bare_us = scheduler_step_us(running, args.steps)
         sched_us = scheduler_step_us(running, args.steps, tokenizer)
+        served_us = scheduler_step_us(running, args.steps, tokenizer, served=True)
         fwd_ms = None
         if engine is not None and running <= REAL_MAX_RUNNING:
             fwd_ms = engine.run_on_loop(lambda running=running: real_forward_ms(running, 8, engine), timeout=1800)
-        rows.append({"running": running, "scheduler_us_per_step": sched_us, "without_text_us": bare_us,
+        rows.append({"running": running, "scheduler_us_per_step": sched_us, "served_us": served_us,
+                     "without_text_us": bare_us,
                      "forward_ms": fwd_ms, "scheduler_share_pct": sched_us / 10 / fwd_ms if fwd_ms else None})
     if engine is not None:
         engine.shutdown()
-    print_table(rows, ["running", "scheduler_us_per_step", "without_text_us", "forward_ms", "scheduler_share_pct"])
+    print_table(rows, ["running", "scheduler_us_per_step", "served_us", "without_text_us", "forward_ms", "scheduler_share_pct"])
     print(f"wrote {write_json('bench_scheduler', {'rows': rows, 'prompt_len': PROMPT_LEN})}")
 
 

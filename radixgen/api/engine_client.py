@@ -1,7 +1,8 @@
 """The HTTP process's handle on the engine process: submit, stream, abort, health.
 
-Outputs arrive one message per engine step and are put straight into each request's output
-sink (``engine_handle.OutputSink``). If the engine process dies, every waiting request gets
+Outputs arrive one message per engine step (the plain decode rows' deltas as columns,
+``engine.deltas``) and are put straight into each request's output sink
+(``engine_handle.OutputSink``). If the engine process dies, every waiting request gets
 ``EngineDeadError`` (HTTP 503) at once,
 and new requests are refused with the same error until it is back.
 """
@@ -23,6 +24,7 @@ import zmq.asyncio
 
 from radixgen.api.engine_handle import OutputSink
 from radixgen.config import EngineConfig
+from radixgen.engine.deltas import expand
 from radixgen.engine.process import engine_process_main
 from radixgen.engine.request import RequestOutput, SamplingParams
 from radixgen.errors import EngineDeadError, OverloadedError
@@ -202,12 +204,18 @@ class EngineClient:
             kind, payload = await self._from_engine.recv_pyobj()
             if kind == "outputs":
                 sinks = self._sinks
-                for out in payload:
+                outputs, columns = payload
+                for out in outputs:
                     entry = sinks.get(out.request_id)
                     if entry is not None:
                         entry[0].put(entry[1], out)
                         if out.finished:
                             del sinks[out.request_id]
+                if columns is not None:  # one-token deltas of requests that go on (engine/deltas.py)
+                    for out in expand(columns):
+                        entry = sinks.get(out.request_id)
+                        if entry is not None:
+                            entry[0].put(entry[1], out)
             elif kind == "stats":
                 key, stats = payload
                 waiter = self._stats_waiters.get(key)

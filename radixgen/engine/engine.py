@@ -23,6 +23,7 @@ import numpy as np
 from radixgen.config import EngineConfig
 from radixgen.constraints import Grammar
 from radixgen.engine.constrained import ConstrainedDecoding
+from radixgen.engine.deltas import StepDeltas
 from radixgen.engine.model_runner import ModelRunner
 from radixgen.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from radixgen.engine.sampler import Sampler, SamplingBatchCache
@@ -141,6 +142,7 @@ class Engine:
         self._active_ids: set[str] = set()
         self.pipeline = StepPipeline(self.scheduler, self.runner, self.sampler, self.constraints,
                                      SamplingBatchCache(self.model_config.vocab_size, self.runner.device,
+                                                        self.scheduler.kv.row_params,
                                                         tuple(self.model_config.eos_token_ids)))
         self._aborted_while_compiling: set[str] = set()
         self._lock = threading.Lock()
@@ -165,10 +167,11 @@ class Engine:
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, *,
         request_id: str | None = None, on_output: Callable[[RequestOutput], None] | None = None,
-        stream: bool = True,
+        stream: bool = True, deltas: StepDeltas | None = None,
     ) -> Request:
         """Submit one request; ``on_output`` is called on the engine thread with each delta
-        (``stream=True``) or only with the final output."""
+        (``stream=True``) or only with the final output. With ``deltas``, the one-token deltas
+        of its plain decode steps are appended there instead (``Request.deltas``)."""
         self._check_alive()
         params = params or SamplingParams()
         prompt_ids = self.tokenize(prompt)
@@ -186,7 +189,7 @@ class Engine:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(
             request_id=request_id, prompt_ids=prompt_ids, params=params, rng_seed=seed,
-            on_output=self._wrap_callback(on_output), stream=stream,
+            on_output=self._wrap_callback(on_output), stream=stream, deltas=deltas,
         )
         if params.prompt_logprob_start is not None:
             req.prompt_logprobs = np.full(len(prompt_ids) - params.prompt_logprob_start, np.nan, dtype=np.float32)

@@ -14,6 +14,7 @@ import numpy as np
 
 from radixgen.engine.kv_pool import KVPool
 from radixgen.engine.request import Request
+from radixgen.engine.row_params import RowParams
 from radixgen.radix import MatchResult, RadixTree
 
 
@@ -22,6 +23,8 @@ class KVCacheManager:
         self.pool = pool
         self.tree = RadixTree()
         self.use_cache = use_cache
+        self.row_params = RowParams(pool.req_to_token_host.shape[0])
+        """The request constants of each row's holder (sampling, stops), kept with the rows."""
 
     # ---- room ---------------------------------------------------------------------------
 
@@ -57,6 +60,7 @@ class KVCacheManager:
     def take_row(self, req: Request, match: MatchResult | None) -> int:
         """Give ``req`` a row holding its cached prefix (locked); return the prefix's length."""
         req.pool_row = self.pool.rows.alloc()
+        self.row_params.assign(req.pool_row, req)
         prefix = match.length if match is not None else 0
         if match is not None and prefix:
             self.tree.lock(match.node)
@@ -116,6 +120,7 @@ class KVCacheManager:
         self.pool.slots.free(slots[owned_from:n])
         self.tree.unlock(req.last_node)
         self.pool.rows.free(req.pool_row)
+        self.row_params.release(req.pool_row)
         req.pool_row = -1
         req.num_computed = req.prefix_len = req.last_node = 0
 

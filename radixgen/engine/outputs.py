@@ -6,6 +6,8 @@ import bisect
 import time
 from typing import Any
 
+import numpy as np
+
 from radixgen.constraints.events import Rejection
 from radixgen.engine.detokenizer import IncrementalDetokenizer
 from radixgen.engine.request import FinishReason, Request, RequestOutput
@@ -23,6 +25,7 @@ class OutputProcessor:
         """Requests whose sampled token was replaced this step (by steering, or by the model's
         own token found in jump-forward verification): the engine rebuilds their penalty counts."""
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.eos_array = np.array(sorted(self.eos_token_ids), dtype=np.int64)
         self.max_context_len = max_context_len
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
 
@@ -89,6 +92,48 @@ class OutputProcessor:
         if len(tokens) > 1:
             req.pending_extend = True
         return None
+
+    def append_plain(self, requests: list[Request], rows: list[int], token_ids: list[int],
+                     outputs: list[RequestOutput]) -> list[tuple[Request, Exception]]:
+        """Append each of ``rows``' token to a plain request that goes on (no constraint, stop
+        string, stop token id or log-probabilities; not its last token: the caller checked),
+        detokenize it and stream the delta into ``outputs``. Returns the requests whose
+        callback raised, with what it raised."""
+        failed: list[tuple[Request, Exception]] = []
+        detokenizers = self.detokenizers if self.tokenizer is not None else None
+        for i in rows:
+            req = requests[i]
+            token = token_ids[i]
+            output_ids = req.output_ids
+            output_ids.append(token)
+            text = ""
+            if detokenizers is not None:
+                detok = detokenizers[req.request_id]
+                detok.add_token(token)
+                if req.stream:
+                    text = detok.take_delta(False)
+            deltas = req.deltas
+            if deltas is not None and req.stream and req.num_emitted == len(output_ids) - 1:
+                req.num_emitted = upto = len(output_ids)
+                deltas.request_ids.append(req.request_id)
+                deltas.token_ids.append(token)
+                deltas.texts.append(text)
+                deltas.completion_tokens.append(upto)
+                deltas.prompt_tokens.append(req.prompt_len)
+                deltas.cached_tokens.append(req.cached_tokens)
+                continue
+            callback = req.on_output
+            if req.stream and callback is not None:
+                since = req.num_emitted
+                req.num_emitted = upto = len(output_ids)
+                out = RequestOutput(req.request_id, output_ids[since:upto], text, False, None, req.error,
+                                    req.user_error, req.prompt_len, upto, req.cached_tokens)
+                try:
+                    callback(out)
+                except Exception as e:  # noqa: BLE001 - the caller's callback fails its own request alone
+                    failed.append((req, e))
+                outputs.append(out)
+        return failed
 
     def _record_logprobs(self, req: Request, result: SampleResult, row: int) -> None:
         params = req.params

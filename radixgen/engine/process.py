@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from radixgen.config import EngineConfig
+from radixgen.engine.deltas import StepDeltas
 from radixgen.engine.request import FinishReason, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: 
     outbox.connect(outputs_addr)
     send_lock = threading.Lock()
     pending: list[RequestOutput] = []
+    deltas = StepDeltas()  # the plain decode rows' deltas, as columns (engine/deltas.py)
 
     def send(message: Any) -> None:
         with send_lock:
@@ -46,10 +48,11 @@ def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: 
         pending.append(out)
 
     def flush() -> None:  # engine thread, after each step: one message for the whole batch
-        if pending:
+        columns = deltas.take()
+        if pending or columns is not None:
             batch = pending[:]
             pending.clear()
-            send(("outputs", batch))
+            send(("outputs", (batch, columns)))
 
     engine = Engine(config, after_step=flush)
     send(("ready", engine.info()))
@@ -59,9 +62,11 @@ def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: 
             if kind == "add":
                 request_id, prompt_ids, params, stream = payload
                 try:
-                    engine.add_request(prompt_ids, params, request_id=request_id, on_output=collect, stream=stream)
+                    engine.add_request(prompt_ids, params, request_id=request_id, on_output=collect, stream=stream,
+                                       deltas=deltas)
                 except ValueError as e:  # a user error the front door did not catch
-                    send(("outputs", [RequestOutput(request_id, [], "", True, FinishReason.ERROR, error=str(e), user_error=True)]))
+                    send(("outputs", ([RequestOutput(request_id, [], "", True, FinishReason.ERROR, error=str(e),
+                                                     user_error=True)], None)))
             elif kind == "abort":
                 engine.abort(payload)
             elif kind == "stats":

@@ -25,6 +25,7 @@ from radixgen.constraints.structural import structural_spec
 from radixgen.errors import InvalidParamsError
 
 if TYPE_CHECKING:
+    from radixgen.engine.deltas import StepDeltas
     from radixgen.engine.speculative import DraftState
     from radixgen.engine.steering import BudgetState
 
@@ -246,6 +247,10 @@ class Request:
     on_output: Callable[[RequestOutput], None] | None = None
     stream: bool = True
     """Call ``on_output`` for every token; when False, only once at the end."""
+    deltas: StepDeltas | None = None
+    """Where a streamed one-token delta of a plain decode row goes instead of ``on_output``
+    (columns for a consumer in another process); finals and every other delta still go to
+    ``on_output``."""
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     pool_row: int = -1

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 from radixgen.config import EngineConfig
 from radixgen.engine.batch import StepKind, StepPlan
 from radixgen.engine.kv_cache import KVCacheManager
@@ -46,7 +48,11 @@ class ResultProcessor:
         allow_jump = len(self.planner.running) <= self.config.jump_forward_max_batch
         num_prefill = plan.num_prefill if plan.kind is StepKind.PREFILL else 0
         extend_lens = plan.extend_lens.tolist()
-        for i, req in enumerate(plan.requests):
+        plain = self._plain_decode_rows(plan, result, verdicts)
+        if plain is not None:
+            self._apply_plain(plan, plain, token_ids, outputs)
+        for i in range(len(plan.requests)) if plain is None else np.flatnonzero(~plain).tolist():
+            req = plan.requests[i]
             req.num_computed += extend_lens[i]
             try:
                 if verdicts is not None and i in verdicts:
@@ -72,6 +78,40 @@ class ResultProcessor:
         self.stats.record(step, queue_depth=len(self.planner.waiting), running=len(self.planner.running),
                           kv_used=self.kv.used(), cached=self.kv.cached_tokens())
         return outputs
+
+    def _plain_decode_rows(self, plan: StepPlan, result: SampleResult,
+                           verdicts: dict[int, Verdict] | None) -> np.ndarray | None:
+        """[B] bool: the decode rows whose token only appends, detokenizes and streams (a plain
+        request that does not end with it), found with gathers over the row table; None when
+        the step has none."""
+        if verdicts is not None or plan.draft_lens is not None:
+            return None
+        start = plan.num_prefill if plan.kind is StepKind.PREFILL else 0
+        if start >= len(plan.requests):
+            return None
+        rows, tokens = plan.rows[start:], result.token_ids[start:]
+        table = self.kv.row_params
+        seq_len = plan.prefix_lens[start:] + 2  # with the token this step appends
+        ends = ((seq_len - table.prompt_len[rows] >= table.max_new[rows]) | (seq_len >= self.outputs.max_context_len)
+                | (np.isin(tokens, self.outputs.eos_array) & ~table.ignore_eos[rows]))
+        plain = np.zeros(len(plan.requests), dtype=bool)
+        plain[start:] = table.plain[rows] & ~ends
+        return plain
+
+    def _apply_plain(self, plan: StepPlan, plain: np.ndarray, token_ids: list[int],
+                     outputs: list[RequestOutput]) -> None:
+        """The batched lane of ``process_results``; a request whose stream callback raised ends
+        alone, as on the per-request path."""
+        rows = np.flatnonzero(plain).tolist()
+        requests = plan.requests
+        for i in rows:
+            requests[i].num_computed += 1
+        failed = self.outputs.append_plain(requests, rows, token_ids, outputs)
+        for req, e in failed:
+            logger.error("streaming %s's output failed: %s: %s", req.request_id, type(e).__name__, e)
+            out = self._fail_request(req, f"internal error: {type(e).__name__}: {e}")
+            if out is not None:
+                outputs.append(out)
 
     def _apply_result(self, req: Request, plan: StepPlan, i: int, token_ids: list[int], result: SampleResult,
                       num_prefill: int, allow_jump: bool) -> RequestOutput | None:

@@ -13,8 +13,9 @@ import numpy as np
 import torch
 
 from radixgen.constraints.mask import apply_bitmask
-from radixgen.engine.batch import StepPlan
+from radixgen.engine.batch import StepKind, StepPlan
 from radixgen.engine.request import Request
+from radixgen.engine.row_params import RowParams
 
 _M32 = 0xFFFFFFFF
 
@@ -94,66 +95,85 @@ class SamplingBatch:
     @classmethod
     def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device,
                       eos_token_ids: tuple[int, ...] = ()) -> SamplingBatch:
-        params = [r.params for r in requests]
-        temps = np.array([p.temperature for p in params], dtype=np.float32)
-        top_p = np.array([p.top_p for p in params], dtype=np.float32)
-        top_k = np.array([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=np.int64)
-        top_k = np.minimum(top_k, vocab_size)
-        min_p = np.array([p.min_p for p in params], dtype=np.float32)
+        """The batch of these requests, at their ``pool_row`` (tests, one-off batches)."""
+        rows = np.fromiter((r.pool_row for r in requests), dtype=np.int64, count=len(requests))
+        counters = np.fromiter((len(r.output_ids) for r in requests), dtype=np.int64, count=len(requests))
+        return cls.from_rows(RowParams.of(requests), rows, counters, vocab_size, device, eos_token_ids)
+
+    @classmethod
+    def from_rows(cls, table: RowParams, rows: np.ndarray, counters: np.ndarray, vocab_size: int,
+                  device: torch.device, eos_token_ids: tuple[int, ...] = ()) -> SamplingBatch:
+        """The batch of the requests holding pool ``rows``, which have generated ``counters``
+        tokens so far: gathers over the row table; only the rows with a logit bias or an unmet
+        min_new_tokens look at their request."""
+        temps = table.temperature[rows]
+        top_p = table.top_p[rows]
+        top_k = table.top_k[rows]
+        top_k = np.where(top_k > 0, np.minimum(top_k, vocab_size), vocab_size)
+        min_p = table.min_p[rows]
         greedy = temps == 0.0
         sampled = ~greedy
-        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        penalized = np.flatnonzero(table.penalized[rows])
 
         def tensor(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(device)
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
-        def pen(name: str) -> torch.Tensor:
-            return tensor(np.array([getattr(params[i], name) for i in penalized], dtype=np.float32))
+        def pen(column: np.ndarray) -> torch.Tensor:
+            return tensor(column[rows[penalized]])
 
-        biased = [(i, t, v) for i, p in enumerate(params) if p.logit_bias for t, v in p.logit_bias.items()]
         bias_index = bias_values = None
+        biased = np.flatnonzero(table.biased[rows]).tolist()
         if biased:
-            rows_b, toks_b, vals_b = zip(*biased, strict=True)
+            entries = [(i, t, v) for i in biased for t, v in (_owner(table, rows[i]).params.logit_bias or {}).items()]
+            rows_b, toks_b, vals_b = zip(*entries, strict=True)
             bias_index = (tensor(np.array(rows_b, dtype=np.int64)), tensor(np.array(toks_b, dtype=np.int64)))
             bias_values = tensor(np.array(vals_b, dtype=np.float32))
         # min_new_tokens: unconstrained rows only (an automaton decides where its output ends)
-        short = [i for i, r in enumerate(requests)
-                 if r.params.min_new_tokens > len(r.output_ids) and r.matcher is None]
+        min_new = table.min_new[rows]
+        short = np.flatnonzero((min_new > counters) & ~table.constrained[rows])
         min_rows = min_tokens = min_counters = min_banned = None
-        if short:
-            min_rows = np.array(short, dtype=np.int64)
-            min_tokens = np.array([params[i].min_new_tokens for i in short], dtype=np.int64)
-            min_counters = np.array([len(requests[i].output_ids) for i in short], dtype=np.int64)
-            min_banned = [tensor(np.array(sorted(set(eos_token_ids) | set(params[i].stop_token_ids)), dtype=np.int64))
-                          for i in short]
+        if len(short):
+            min_rows, min_tokens, min_counters = short.astype(np.int64), min_new[short], counters[short].copy()
+            min_banned = [tensor(np.array(sorted(set(eos_token_ids) | set(_owner(table, rows[i]).params.stop_token_ids)),
+                                          dtype=np.int64)) for i in short.tolist()]
+        top_logprobs = table.top_logprobs[rows]
         return cls(
             temperatures=tensor(temps),
             top_p=tensor(top_p),
             top_k=tensor(top_k),
             min_p=tensor(min_p),
-            seeds=tensor(np.array([r.rng_seed for r in requests], dtype=np.int64)),
-            counters=tensor(np.array([len(r.output_ids) for r in requests], dtype=np.int64)),
+            seeds=tensor(table.seed[rows]),
+            counters=tensor(counters.astype(np.int64)),
             is_greedy=greedy,
             need_top_p=bool((top_p[sampled] < 1.0).any()),
             need_top_k=bool((top_k[sampled] < vocab_size).any()),
             need_min_p=bool((min_p[sampled] > 0.0).any()),
-            max_top_logprobs=max((p.top_logprobs for p in params), default=0),
-            want_logprobs=any(p.logprobs for p in params),
-            rows=tensor(np.array([r.pool_row for r in requests], dtype=np.int64)),
-            penalized=tensor(np.array(penalized, dtype=np.int64)) if penalized else None,
-            repetition=pen("repetition_penalty") if penalized else None,
-            frequency=pen("frequency_penalty") if penalized else None,
-            presence=pen("presence_penalty") if penalized else None,
+            max_top_logprobs=int(top_logprobs.max()) if len(rows) else 0,
+            want_logprobs=bool(table.logprobs[rows].any()),
+            rows=tensor(rows.astype(np.int64)),
+            penalized=tensor(penalized.astype(np.int64)) if len(penalized) else None,
+            repetition=pen(table.repetition) if len(penalized) else None,
+            frequency=pen(table.frequency) if len(penalized) else None,
+            presence=pen(table.presence) if len(penalized) else None,
             bias_index=bias_index, bias_values=bias_values,
             min_rows=min_rows, min_tokens=min_tokens, min_counters=min_counters, min_banned=min_banned,
         )
 
 
-class SamplingBatchCache:
-    """Reuses a decode batch's sampling tensors while the batch is unchanged."""
+def _owner(table: RowParams, row: int) -> Request:
+    req = table.owner[int(row)]
+    assert req is not None, f"pool row {row} has no request"
+    return req
 
-    def __init__(self, vocab_size: int, device: torch.device, eos_token_ids: tuple[int, ...] = ()) -> None:
+
+class SamplingBatchCache:
+    """A step's sampling tensors, gathered from the row table; reused while a decode batch is
+    unchanged."""
+
+    def __init__(self, vocab_size: int, device: torch.device, row_params: RowParams,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         self.vocab_size, self.device, self.eos_token_ids = vocab_size, device, tuple(eos_token_ids)
+        self.row_params = row_params
         self._cached: tuple[int, SamplingBatch] | None = None
 
     def get(self, plan: StepPlan) -> SamplingBatch:
@@ -161,9 +181,20 @@ class SamplingBatchCache:
         if plan.batch_version is not None and cached is not None and cached[0] == plan.batch_version:
             cached[1].advance()  # every request produced exactly one token since
             return cached[1]
-        batch = SamplingBatch.from_requests(plan.requests, self.vocab_size, self.device, self.eos_token_ids)
+        batch = SamplingBatch.from_rows(self.row_params, plan.rows, self._counters(plan), self.vocab_size,
+                                        self.device, self.eos_token_ids)
         self._cached = (plan.batch_version, batch) if plan.batch_version is not None else None
         return batch
+
+    def _counters(self, plan: StepPlan) -> np.ndarray:
+        """Tokens each request has generated: a row whose newest token is this step's first
+        input (a decoding or drafting row) stands at output index prefix + 1 - prompt_len; the
+        prefill rows (their first ``num_prefill``, outside speculative steps) count their own."""
+        counters = plan.prefix_lens + 1 - self.row_params.prompt_len[plan.rows]
+        if plan.kind is StepKind.PREFILL and plan.draft_lens is None:
+            head = plan.requests[: plan.num_prefill]
+            counters[: len(head)] = np.fromiter((len(r.output_ids) for r in head), dtype=np.int64, count=len(head))
+        return counters
 
 
 @dataclass

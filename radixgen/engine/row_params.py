@@ -1,0 +1,74 @@
+"""Each pool row's request constants as arrays, written once when a request takes the row.
+
+A step's sampling parameters and the stop checks of its decode rows are gathers over the
+step's rows (``table.temperature[plan.rows]``), not a walk over its requests: the running set
+changes at almost every step of a serving load (requests finish and arrive), so anything built
+from the request objects would be rebuilt per step, per request, in Python.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from radixgen.engine.request import Request
+
+
+class RowParams:
+    def __init__(self, num_rows: int) -> None:
+        self.temperature = np.zeros(num_rows, dtype=np.float32)
+        self.top_p = np.ones(num_rows, dtype=np.float32)
+        self.top_k = np.zeros(num_rows, dtype=np.int64)  # <= 0: no top-k
+        self.min_p = np.zeros(num_rows, dtype=np.float32)
+        self.seed = np.zeros(num_rows, dtype=np.int64)
+        self.penalized = np.zeros(num_rows, dtype=bool)
+        self.repetition = np.ones(num_rows, dtype=np.float32)
+        self.frequency = np.zeros(num_rows, dtype=np.float32)
+        self.presence = np.zeros(num_rows, dtype=np.float32)
+        self.biased = np.zeros(num_rows, dtype=bool)
+        self.logprobs = np.zeros(num_rows, dtype=bool)
+        self.top_logprobs = np.zeros(num_rows, dtype=np.int64)
+        self.min_new = np.zeros(num_rows, dtype=np.int64)
+        self.constrained = np.zeros(num_rows, dtype=bool)
+        self.prompt_len = np.zeros(num_rows, dtype=np.int64)
+        self.max_new = np.zeros(num_rows, dtype=np.int64)
+        self.ignore_eos = np.zeros(num_rows, dtype=bool)
+        self.plain = np.zeros(num_rows, dtype=bool)
+        """Unconstrained, no stop strings or stop token ids, no log-probabilities: a decode
+        token only appends, detokenizes and streams (results' batched lane)."""
+        self.owner: list[Request | None] = [None] * num_rows
+        """The request holding each row, for the rare per-request extras (logit bias, the stop
+        token ids of min_new_tokens)."""
+
+    def assign(self, row: int, req: Request) -> None:
+        p = req.params
+        self.temperature[row] = p.temperature
+        self.top_p[row] = p.top_p
+        self.top_k[row] = p.top_k
+        self.min_p[row] = p.min_p
+        self.seed[row] = req.rng_seed
+        self.penalized[row] = p.has_penalties
+        self.repetition[row] = p.repetition_penalty
+        self.frequency[row] = p.frequency_penalty
+        self.presence[row] = p.presence_penalty
+        self.biased[row] = bool(p.logit_bias)
+        self.logprobs[row] = p.logprobs
+        self.top_logprobs[row] = p.top_logprobs
+        self.min_new[row] = p.min_new_tokens
+        self.constrained[row] = req.matcher is not None
+        self.prompt_len[row] = req.prompt_len
+        self.max_new[row] = p.max_new_tokens
+        self.ignore_eos[row] = p.ignore_eos
+        self.plain[row] = (req.matcher is None and req.validation is None and req.budget is None and not p.stop
+                           and not p.stop_token_ids and not p.logprobs and not p.top_logprobs)
+        self.owner[row] = req
+
+    def release(self, row: int) -> None:
+        self.owner[row] = None
+
+    @classmethod
+    def of(cls, requests: list[Request]) -> RowParams:
+        """A table holding just these requests, at their ``pool_row`` (tests, one-off batches)."""
+        table = cls(max((r.pool_row for r in requests), default=-1) + 1)
+        for r in requests:
+            table.assign(r.pool_row, r)
+        return table

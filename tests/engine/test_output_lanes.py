@@ -1,0 +1,128 @@
+"""The batched lane of result processing (plain decode rows: gathers over the row table, deltas
+as columns) against the per-request path, output for output; the row table's sampling state
+against the requests it was written from."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from radixgen import EngineConfig, FinishReason, SamplingParams
+from radixgen.engine.batch import StepKind, StepPlan
+from radixgen.engine.deltas import StepDeltas, expand
+from radixgen.engine.kv_pool import KVPool
+from radixgen.engine.request import Request, RequestOutput
+from radixgen.engine.results import ResultProcessor
+from radixgen.engine.sampler import SampleResult, SamplingBatch, SamplingBatchCache
+from radixgen.engine.scheduler import Scheduler
+
+TEXT = ("Plain streams share the batched lane: naïve text, 日本語の文字, emoji 🚀🔥, and spaces   that merge. "
+        "Stop strings and log-probabilities take the per-request path. ") * 6
+EOS = 2
+
+
+def _params(**overrides: Any) -> SamplingParams:
+    return SamplingParams(**{"max_new_tokens": 40, "temperature": 0.7, "ignore_eos": True, **overrides})
+
+
+# (name, params, stream, uses deltas columns, step at which it arrives)
+REQUESTS = [
+    ("plain", _params(), True, False, 0),
+    ("plain-columns", _params(), True, True, 0),
+    ("not-streamed", _params(), False, False, 0),
+    ("short", _params(max_new_tokens=5), True, True, 0),
+    ("eos", _params(ignore_eos=False), True, True, 0),
+    ("stop-string", _params(stop=(" Plain",)), True, False, 0),
+    ("logprobs", _params(logprobs=True, top_logprobs=2), True, False, 0),
+    ("stop-token", _params(stop_token_ids=(EOS,)), True, False, 0),
+    ("late", _params(), True, True, 6),  # arrives mid-run: its prefill is a mixed step
+    ("late-short", _params(max_new_tokens=3), True, False, 9),
+]
+
+
+def _run(tokenizer: Any, *, lane: bool, monkeypatch: pytest.MonkeyPatch, kv_tokens: int = 4096,
+         check: Any = None) -> tuple[dict[str, list[RequestOutput]], int]:
+    """Outputs each request's consumer saw, in order, and how many came as columns."""
+    with monkeypatch.context() as m:
+        if not lane:
+            m.setattr(ResultProcessor, "_plain_decode_rows", lambda self, plan, result, verdicts: None)
+        config = EngineConfig(max_running_requests=16, kv_cache_tokens=kv_tokens, max_context_len=1024,
+                              chunked_prefill_size=64, max_prefill_tokens=256)
+        pool = KVPool(num_slots=kv_tokens, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16,
+                      device="cpu", max_rows=16, max_context_len=1024)
+        sched = Scheduler(config, pool, tokenizer, eos_token_ids=(EOS,))
+        text_ids = tokenizer.encode(TEXT, add_special_tokens=False)
+        seen: dict[str, list[RequestOutput]] = {name: [] for name, *_ in REQUESTS}
+        deltas = StepDeltas()
+        columns_seen = 0
+        order = {name: n for n, (name, *_) in enumerate(REQUESTS)}
+        prompt = tokenizer.encode("Tell me something about lanes.", add_special_tokens=False)
+        for step in range(200):
+            for n, (name, params, stream, columns, arrives) in enumerate(REQUESTS):
+                if arrives == step:
+                    sched.add_request(Request(name, prompt + [100 + n] * (n * 9), params, rng_seed=n,
+                                              on_output=seen[name].append, stream=stream,
+                                              deltas=deltas if columns else None))
+            plan = sched.schedule()
+            if plan is None:
+                break
+            if check is not None:
+                check(sched, plan)
+            # each request "samples" the text from its own offset; "eos" draws EOS at its 12th token
+            tokens = np.array([EOS if r.request_id == "eos" and len(r.output_ids) == 11
+                               else text_ids[(len(r.output_ids) + 5 * order[r.request_id]) % len(text_ids)]
+                               for r in plan.requests], dtype=np.int64)
+            logprobs = -np.arange(plan.batch_size, dtype=np.float32) / 10
+            top_ids = np.stack([tokens, tokens + 1], axis=1)
+            sched.process_results(plan, SampleResult(tokens, logprobs, top_ids, np.stack([logprobs, logprobs - 1], 1)))
+            taken = deltas.take()
+            if taken is not None:
+                columns_seen += len(taken[0])
+                for out in expand(taken):
+                    seen[out.request_id].append(out)
+        assert not sched.has_work()
+        sched.check_kv_invariant()
+    return seen, columns_seen
+
+
+def test_the_batched_lane_gives_every_consumer_the_outputs_of_the_per_request_path(
+        tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    batched, columns = _run(tokenizer, lane=True, monkeypatch=monkeypatch)
+    reference, none = _run(tokenizer, lane=False, monkeypatch=monkeypatch)
+    assert none == 0 and columns > 50, "the lane was not taken"
+    for name, *_ in REQUESTS:
+        assert batched[name] == reference[name], name
+        final = batched[name][-1]
+        assert final.finished and final.output_ids is not None
+        assert "".join(o.new_text for o in batched[name]) == final.text, name
+        assert [t for o in batched[name] for t in o.new_token_ids] == final.output_ids, name
+    assert batched["eos"][-1].finish_reason is FinishReason.STOP and batched["eos"][-1].completion_tokens == 12
+    assert batched["short"][-1].finish_reason is FinishReason.LENGTH
+    assert batched["stop-string"][-1].text.endswith("path.") and batched["stop-string"][-1].finish_reason is FinishReason.STOP
+    assert len(batched["not-streamed"]) == 1
+
+
+def test_the_row_table_counts_each_requests_tokens_in_every_kind_of_step(
+        tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampling counters come from positions (a row's newest token is its step's first input)
+    and the prefill rows' own counts; checked against the requests in prefill, mixed and decode
+    steps, with a pool small enough to retract (resumed requests prefill their output again)."""
+    kinds: set[str] = set()
+
+    def check(sched: Scheduler, plan: StepPlan) -> None:
+        cache = SamplingBatchCache(49152, torch.device("cpu"), sched.kv.row_params)
+        batch = cache.get(plan)
+        reference = SamplingBatch.from_requests(plan.requests, 49152, torch.device("cpu"))
+        expected = [len(r.output_ids) for r in plan.requests]
+        assert batch.counters.tolist() == expected
+        for name in ("temperatures", "top_p", "top_k", "seeds", "rows"):
+            assert torch.equal(getattr(batch, name), getattr(reference, name)), name
+        assert batch.max_top_logprobs == 2 * any(r.params.top_logprobs for r in plan.requests)
+        kinds.add("mixed" if plan.kind is StepKind.PREFILL and plan.num_decode else plan.kind.value)
+        kinds.update("resumed" for r in plan.requests[: plan.num_prefill] if r.num_retractions and r.output_ids)
+
+    _run(tokenizer, lane=True, monkeypatch=monkeypatch, kv_tokens=420, check=check)
+    assert kinds >= {"prefill", "mixed", "decode", "resumed"}, kinds
