@@ -60,6 +60,19 @@ class IncrementalDetokenizer:
         self._append(piece)
         return piece
 
+    def stream_token(self, token_id: int) -> str:
+        """``add_token`` then ``take_delta(False)`` in one step, for a stream with no stop
+        strings whose text has all been handed out (the batched lane's requests)."""
+        if self.stop or self._unsent_len:
+            self.add_token(token_id)
+            return self.take_delta(False)
+        piece: str = self._stream.step(self.backend, token_id)
+        if piece:
+            self._pieces.append(piece)
+            self.length += len(piece)
+            return piece
+        return ""
+
     def _append(self, piece: str) -> None:
         self._pieces.append(piece)
         self._unsent.append(piece)

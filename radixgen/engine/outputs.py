@@ -109,9 +109,10 @@ class OutputProcessor:
             text = ""
             if detokenizers is not None:
                 detok = detokenizers[req.request_id]
-                detok.add_token(token)
                 if req.stream:
-                    text = detok.take_delta(False)
+                    text = detok.stream_token(token)
+                else:
+                    detok.add_token(token)
             deltas = req.deltas
             if deltas is not None and req.stream and req.num_emitted == len(output_ids) - 1:
                 req.num_emitted = upto = len(output_ids)
@@ -119,7 +120,7 @@ class OutputProcessor:
                 deltas.token_ids.append(token)
                 deltas.texts.append(text)
                 deltas.completion_tokens.append(upto)
-                deltas.prompt_tokens.append(req.prompt_len)
+                deltas.prompt_tokens.append(len(req.prompt_ids))
                 deltas.cached_tokens.append(req.cached_tokens)
                 continue
             callback = req.on_output
