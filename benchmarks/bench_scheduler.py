@@ -21,7 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_json  # noqa: E402
 from radixgen import EngineConfig, SamplingParams  # noqa: E402
-from radixgen.engine.deltas import StepDeltas  # noqa: E402
+from radixgen.engine.deltas import StepDeltas, expand  # noqa: E402
+from radixgen.engine.detokenizer import ConsumerText  # noqa: E402
 from radixgen.engine.kv_pool import KVPool  # noqa: E402
 from radixgen.engine.request import Request, RequestOutput  # noqa: E402
 from radixgen.engine.sampler import SampleResult, SamplingBatchCache  # noqa: E402
@@ -33,11 +34,14 @@ SAMPLE_TEXT = ("The scheduler decides, at every step, which requests run: naïve
                "but this one — measured in µs — should not. 日本語のテキストも少し。 Emoji too: 🚀🔥. ") * 8
 
 
-def scheduler_step_us(running: int, steps: int, tokenizer: Any = None, served: bool = False) -> float:
+def scheduler_step_us(running: int, steps: int, tokenizer: Any = None, served: bool = False,
+                      front_us: list[float] | None = None) -> float:
     """With a tokenizer the step includes what a served step does per token: detokenization
     and a streamed output handed to each request's callback. ``served``: the outputs go as the
     engine process sends them to the HTTP front (deltas as columns, one pickled message per
-    step, engine/process.py), the message's serialization counted."""
+    step, engine/process.py), the message's serialization counted; the text of these plain
+    requests is made by the front, whose work per step (unpickle, build the outputs, make the
+    text: api/engine_client.py) is appended to ``front_us``."""
     config = EngineConfig(max_running_requests=max(running, 1), kv_cache_tokens=running * (PROMPT_LEN + steps + 64) + 64,
                           max_context_len=4096, max_prefill_tokens=running * PROMPT_LEN + 1)
     pool = KVPool(num_slots=config.kv_cache_tokens or 0, num_layers=1, num_kv_heads=1, head_dim=1,
@@ -46,10 +50,14 @@ def scheduler_step_us(running: int, steps: int, tokenizer: Any = None, served: b
     params = SamplingParams(max_new_tokens=10**6 // 1000, temperature=0.7, top_p=0.9, ignore_eos=True)
     pending: list[RequestOutput] = []
     deltas = StepDeltas()
+    texts: dict[str, ConsumerText] = {}
     for i in range(running):
-        sched.add_request(Request(f"r{i}", [5 + (i * 31 + j) % 40000 for j in range(PROMPT_LEN)], params, rng_seed=i,
+        prompt = [5 + (i * 31 + j) % 40000 for j in range(PROMPT_LEN)]
+        if served and tokenizer is not None:
+            texts[f"r{i}"] = ConsumerText(tokenizer, prompt, params.skip_special_tokens)
+        sched.add_request(Request(f"r{i}", prompt, params, rng_seed=i,
                                   on_output=pending.append if served else lambda out: None, stream=True,
-                                  deltas=deltas if served else None))
+                                  deltas=deltas if served else None, detokenize=not served))
     # each request "samples" the tokens of a real text, from its own offset (real text decodes
     # as it would in serving: multi-byte characters, spaces merged into tokens)
     text_ids = np.asarray(tokenizer.encode(SAMPLE_TEXT, add_special_tokens=False) if tokenizer else [7], dtype=np.int64)
@@ -67,9 +75,16 @@ def scheduler_step_us(running: int, steps: int, tokenizer: Any = None, served: b
         batches.get(plan)
         sched.process_results(plan, SampleResult(sampled, None, None, None))
         if served:
-            pickle.dumps(("outputs", (pending[:], deltas.take())), protocol=pickle.HIGHEST_PROTOCOL)
+            message = pickle.dumps(("outputs", (pending[:], deltas.take())), protocol=pickle.HIGHEST_PROTOCOL)
             pending.clear()
         total += time.perf_counter() - start
+        if served and front_us is not None:
+            start = time.perf_counter()
+            outputs, columns = pickle.loads(message)[1]
+            for out in [*outputs, *(expand(columns) if columns is not None else ())]:
+                if out.request_id in texts:
+                    texts[out.request_id].fill(out)
+            front_us.append((time.perf_counter() - start) * 1e6)
     return total / steps * 1e6
 
 
@@ -120,16 +135,18 @@ def main() -> None:
     for running in map(int, args.running.split(",")):
         bare_us = scheduler_step_us(running, args.steps)
         sched_us = scheduler_step_us(running, args.steps, tokenizer)
-        served_us = scheduler_step_us(running, args.steps, tokenizer, served=True)
+        front: list[float] = []
+        served_us = scheduler_step_us(running, args.steps, tokenizer, served=True, front_us=front)
         fwd_ms = None
         if engine is not None and running <= REAL_MAX_RUNNING:
             fwd_ms = engine.run_on_loop(lambda running=running: real_forward_ms(running, 8, engine), timeout=1800)
         rows.append({"running": running, "scheduler_us_per_step": sched_us, "served_us": served_us,
+                     "front_us": float(np.mean(front)),
                      "without_text_us": bare_us,
                      "forward_ms": fwd_ms, "scheduler_share_pct": sched_us / 10 / fwd_ms if fwd_ms else None})
     if engine is not None:
         engine.shutdown()
-    print_table(rows, ["running", "scheduler_us_per_step", "served_us", "without_text_us", "forward_ms", "scheduler_share_pct"])
+    print_table(rows, ["running", "scheduler_us_per_step", "served_us", "front_us", "without_text_us", "forward_ms", "scheduler_share_pct"])
     print(f"wrote {write_json('bench_scheduler', {'rows': rows, 'prompt_len': PROMPT_LEN})}")
 
 

@@ -25,6 +25,7 @@ import zmq.asyncio
 from radixgen.api.engine_handle import OutputSink
 from radixgen.config import EngineConfig
 from radixgen.engine.deltas import expand
+from radixgen.engine.detokenizer import ConsumerText
 from radixgen.engine.process import engine_process_main
 from radixgen.engine.request import RequestOutput, SamplingParams
 from radixgen.errors import EngineDeadError, OverloadedError
@@ -43,8 +44,12 @@ class EngineClient:
         self._closing = False
         self.info: dict[str, Any] = {}
         self.dead_reason: str | None = "engine not started"
-        self._sinks: dict[str, tuple[OutputSink, int]] = {}
-        """Unfinished requests: where their outputs go (sink, tag)."""
+        self._sinks: dict[str, tuple[OutputSink, int, ConsumerText | None]] = {}
+        """Unfinished requests: where their outputs go (sink, tag, and the text made here for a
+        request the engine does not detokenize)."""
+        self.tokenizer: Any = None
+        """Set by the server once loaded: the text of requests without stop strings or a
+        constraint is then made here from their token ids, off the engine's loop."""
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._stats_ids = itertools.count()
         self._process: Any = None
@@ -173,12 +178,20 @@ class EngineClient:
             )
         if request_id in self._sinks:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._sinks[request_id] = (sink, tag)
+        text = self._consumer_text(prompt_ids, params)
+        self._sinks[request_id] = (sink, tag, text)
         try:
-            await self._to_engine.send_pyobj(("add", (request_id, prompt_ids, params, stream)))
+            await self._to_engine.send_pyobj(("add", (request_id, prompt_ids, params, stream, text is None)))
         except BaseException:
             self._sinks.pop(request_id, None)
             raise
+
+    def _consumer_text(self, prompt_ids: list[int], params: SamplingParams) -> ConsumerText | None:
+        """The text maker for a request whose text the engine need not make, or None. Prompt ids
+        outside the vocabulary are the engine's to reject (a 400), not the text maker's to crash on."""
+        if self.tokenizer is None or params.engine_needs_text:
+            return None
+        return ConsumerText.for_prompt(self.tokenizer, prompt_ids, params.skip_special_tokens)
 
     async def abort(self, request_id: str) -> None:
         if self._sinks.pop(request_id, None) is not None and self.dead_reason is None:
@@ -208,6 +221,8 @@ class EngineClient:
                 for out in outputs:
                     entry = sinks.get(out.request_id)
                     if entry is not None:
+                        if entry[2] is not None:
+                            entry[2].fill(out)
                         entry[0].put(entry[1], out)
                         if out.finished:
                             del sinks[out.request_id]
@@ -215,6 +230,8 @@ class EngineClient:
                     for out in expand(columns):
                         entry = sinks.get(out.request_id)
                         if entry is not None:
+                            if entry[2] is not None:
+                                entry[2].fill(out)
                             entry[0].put(entry[1], out)
             elif kind == "stats":
                 key, stats = payload
@@ -229,7 +246,7 @@ class EngineClient:
                 self.dead_reason = f"engine process exited (code {self._process.exitcode})"
                 logger.error("%s; failing %d in-flight requests", self.dead_reason, len(self._sinks))
                 failure = f"the engine stopped while serving this request: {self.dead_reason}"
-                for sink, tag in self._sinks.values():
+                for sink, tag, _ in self._sinks.values():
                     sink.put(tag, EngineDeadError(failure))
                 self._sinks.clear()
                 for waiter in self._stats_waiters.values():

@@ -125,6 +125,8 @@ def create_app(config: ServerConfig, *, client: EngineHandle | None = None) -> F
         AutoTokenizer = await warm  # noqa: N806 - the class, imported in the thread
         app.state.client = engine
         app.state.tokenizer = AutoTokenizer.from_pretrained(engine.info["model_path"])
+        if isinstance(engine, EngineClient):  # plain requests' text is made here, off the engine loop
+            engine.tokenizer = app.state.tokenizer
         app.state.config = config
         app.state.model_name = served_name(config)
         app.state.responses = ConversationStore()

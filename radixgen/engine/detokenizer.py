@@ -66,7 +66,7 @@ class IncrementalDetokenizer:
         if self.stop or self._unsent_len:
             self.add_token(token_id)
             return self.take_delta(False)
-        piece: str = self._stream.step(self.backend, token_id)
+        piece = self._stream.step(self.backend, token_id)
         if piece:
             self._pieces.append(piece)
             self.length += len(piece)
@@ -119,3 +119,39 @@ class IncrementalDetokenizer:
             if any(s.startswith(suffix) for s in self.stop):
                 return n
         return 0
+
+
+class ConsumerText:
+    """The text of a request the engine did not detokenize (``Request.detokenize`` False), made
+    by its consumer from the outputs' token ids: the HTTP front, in its own process. Gives the
+    text the engine would have given: such a request has no stop strings and no constraint, so
+    it stops only on a stop token, which (as in the engine) is not part of the text."""
+
+    __slots__ = ("_detok",)
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
+
+    @classmethod
+    def for_prompt(cls, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool) -> ConsumerText | None:
+        """None when the prompt's last tokens (the decoding context) are not token ids of this
+        vocabulary: the engine rejects such a request, with an error that says why."""
+        vocab = len(tokenizer)
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids[-_CONTEXT_TOKENS:]):
+            return None
+        return cls(tokenizer, prompt_ids, skip_special_tokens)
+
+    def fill(self, out: Any) -> None:
+        """Set ``out.new_text`` (and a final's ``text``) from its new token ids."""
+        detok = self._detok
+        tokens = out.new_token_ids
+        if not out.finished and len(tokens) == 1:  # a stream's step
+            out.new_text = detok.stream_token(tokens[0])
+            return
+        if out.finished and tokens and out.finish_reason is not None and out.finish_reason.value == "stop":
+            tokens = tokens[:-1]
+        for token in tokens:
+            detok.add_token(token)
+        out.new_text = detok.take_delta(out.finished)
+        if out.finished:
+            out.text = detok.text

@@ -167,11 +167,13 @@ class Engine:
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, *,
         request_id: str | None = None, on_output: Callable[[RequestOutput], None] | None = None,
-        stream: bool = True, deltas: StepDeltas | None = None,
+        stream: bool = True, deltas: StepDeltas | None = None, detokenize: bool = True,
     ) -> Request:
         """Submit one request; ``on_output`` is called on the engine thread with each delta
         (``stream=True``) or only with the final output. With ``deltas``, the one-token deltas
-        of its plain decode steps are appended there instead (``Request.deltas``)."""
+        of its plain decode steps are appended there instead (``Request.deltas``). With
+        ``detokenize=False`` the outputs carry no text unless the engine needs it
+        (``SamplingParams.engine_needs_text``): the caller makes it from the token ids."""
         self._check_alive()
         params = params or SamplingParams()
         prompt_ids = self.tokenize(prompt)
@@ -190,6 +192,7 @@ class Engine:
         req = Request(
             request_id=request_id, prompt_ids=prompt_ids, params=params, rng_seed=seed,
             on_output=self._wrap_callback(on_output), stream=stream, deltas=deltas,
+            detokenize=detokenize or params.engine_needs_text,
         )
         if params.prompt_logprob_start is not None:
             req.prompt_logprobs = np.full(len(prompt_ids) - params.prompt_logprob_start, np.nan, dtype=np.float32)

@@ -30,13 +30,15 @@ class OutputProcessor:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
 
     def add(self, req: Request) -> None:
+        if self.tokenizer is None or not req.detokenize:
+            return  # no text here: the trace simulator, or a consumer that makes its own
         self.detokenizers[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, req.prompt_ids, skip_special_tokens=req.params.skip_special_tokens,
             stop=req.params.stop,
         )
 
     def remove(self, req: Request) -> None:
-        del self.detokenizers[req.request_id]
+        self.detokenizers.pop(req.request_id, None)
 
     def append_token(
         self, req: Request, token: int, result: SampleResult, row: int, *, allow_jump: bool = True
@@ -100,15 +102,15 @@ class OutputProcessor:
         detokenize it and stream the delta into ``outputs``. Returns the requests whose
         callback raised, with what it raised."""
         failed: list[tuple[Request, Exception]] = []
-        detokenizers = self.detokenizers if self.tokenizer is not None else None
+        detokenizers = self.detokenizers
         for i in rows:
             req = requests[i]
             token = token_ids[i]
             output_ids = req.output_ids
             output_ids.append(token)
             text = ""
-            if detokenizers is not None:
-                detok = detokenizers[req.request_id]
+            detok = detokenizers.get(req.request_id)
+            if detok is not None:
                 if req.stream:
                     text = detok.stream_token(token)
                 else:
@@ -206,8 +208,8 @@ class OutputProcessor:
         req.output_ids.append(token)
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return FinishReason.STOP  # the stop token's text is not part of the output
-        if self.tokenizer is not None:  # None in the trace simulator: no text at all
-            detok = self.detokenizers[req.request_id]
+        detok = self.detokenizers.get(req.request_id)
+        if detok is not None:  # none in the trace simulator, or when the consumer makes the text
             new_text = detok.add_token(token)
             if req.validation is not None:
                 req.token_text_ends.append(detok.length)
@@ -240,7 +242,9 @@ class OutputProcessor:
 
     def rewind(self, req: Request, keep: int) -> None:
         """Rebuild the text state for the first ``keep`` output tokens (after a rollback)."""
-        old = self.detokenizers[req.request_id]
+        old = self.detokenizers.get(req.request_id)
+        if old is None:  # no text kept here
+            return
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, skip_special_tokens=old.skip_special_tokens,
                                        stop=old.stop)
         ends = []
@@ -271,10 +275,10 @@ class OutputProcessor:
                     return None
                 return self._emit_delta(req, tokens, req.token_text_ends[tokens - 1])
             return self._emit_delta(req)
-        detok = self.detokenizers[req.request_id]
+        detok = self.detokenizers.get(req.request_id)
         out = RequestOutput(  # the final output
             request_id=req.request_id,
-            new_text=detok.take_delta(True) if self.tokenizer is not None else "",
+            new_text=detok.take_delta(True) if detok is not None else "",
             new_token_ids=req.output_ids[req.num_emitted:],
             finished=True,
             finish_reason=req.finish_reason,
@@ -287,7 +291,7 @@ class OutputProcessor:
             new_top_logprobs=req.output_top_logprobs[req.num_emitted:] if req.params.top_logprobs else None,
             output_ids=list(req.output_ids),
             prompt_logprobs=req.prompt_logprobs.tolist() if req.prompt_logprobs is not None else None,
-            text=detok.text,
+            text=detok.text if detok is not None else "",
             shortened=req.budget is not None and req.budget.shortened,
         )
         if req.on_output is not None:
@@ -303,7 +307,7 @@ class OutputProcessor:
         out = RequestOutput(
             req.request_id,
             req.output_ids[since:upto],
-            self.detokenizers[req.request_id].take_delta(False, chars) if self.tokenizer is not None else "",
+            detok.take_delta(False, chars) if (detok := self.detokenizers.get(req.request_id)) is not None else "",
             False, None, req.error, req.user_error, req.prompt_len, len(req.output_ids), req.cached_tokens,
             req.output_logprobs[since:upto] if params.logprobs else None,
             req.output_top_logprobs[since:upto] if params.top_logprobs else None,

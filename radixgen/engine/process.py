@@ -60,10 +60,10 @@ def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: 
         while True:
             kind, payload = inbox.recv_pyobj()
             if kind == "add":
-                request_id, prompt_ids, params, stream = payload
+                request_id, prompt_ids, params, stream, detokenize = payload
                 try:
                     engine.add_request(prompt_ids, params, request_id=request_id, on_output=collect, stream=stream,
-                                       deltas=deltas)
+                                       deltas=deltas, detokenize=detokenize)
                 except ValueError as e:  # a user error the front door did not catch
                     send(("outputs", ([RequestOutput(request_id, [], "", True, FinishReason.ERROR, error=str(e),
                                                      user_error=True)], None)))

@@ -202,6 +202,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def engine_needs_text(self) -> bool:
+        """Stop strings, a constraint (its validators and budget steering read the text): the
+        engine detokenizes such a request whoever consumes it."""
+        return bool(self.stop) or self.constraint is not None or self.validators is not None
+
+    @property
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
@@ -247,6 +253,9 @@ class Request:
     on_output: Callable[[RequestOutput], None] | None = None
     stream: bool = True
     """Call ``on_output`` for every token; when False, only once at the end."""
+    detokenize: bool = True
+    """Make the output's text here; False when the consumer makes it from the token ids (only
+    for requests whose text the engine does not need: ``SamplingParams.engine_needs_text``)."""
     deltas: StepDeltas | None = None
     """Where a streamed one-token delta of a plain decode row goes instead of ``on_output``
     (columns for a consumer in another process); finals and every other delta still go to

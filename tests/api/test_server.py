@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from radixgen import SamplingParams
 from tests.api.conftest import LiveServer
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Count to five."}]
@@ -70,6 +71,23 @@ def test_completions_list_prompt_and_stream(server: LiveServer) -> None:
         model="tiny", prompt="Once upon", max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True})
         if ch.choices)
     assert streamed == resp.choices[0].text
+
+
+def test_text_made_by_the_front_is_the_engines(server: LiveServer, make_engine: Callable[..., Any]) -> None:
+    """A plain request's text is made in the HTTP process from the token ids (the engine does
+    not detokenize it); a stop string makes the engine do it. Both equal the in-process
+    engine's text for the same tokens, streamed and whole, at EOS or at the length limit."""
+    engine = make_engine()
+    c = client(server)
+    for prompt in ("Once upon a time", "日本語 🚀 naïve", "The sky is"):
+        for extra in ({"ignore_eos": True}, {}):
+            body = dict(model="tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body=extra)
+            expected = engine.generate(prompt, SamplingParams(max_new_tokens=24, temperature=0, **extra)).text
+            whole = c.completions.create(**body).choices[0].text  # type: ignore[call-overload]
+            streamed = "".join(ch.choices[0].text for ch in c.completions.create(**body, stream=True)  # type: ignore[call-overload]
+                               if ch.choices)
+            never = c.completions.create(**{**body, "stop": ["\x00never"]}).choices[0].text  # type: ignore[call-overload]
+            assert whole == streamed == never == expected, (prompt, extra)
 
 
 def _sse_events(server: LiveServer, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:

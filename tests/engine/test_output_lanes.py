@@ -13,6 +13,7 @@ import torch
 from radixgen import EngineConfig, FinishReason, SamplingParams
 from radixgen.engine.batch import StepKind, StepPlan
 from radixgen.engine.deltas import StepDeltas, expand
+from radixgen.engine.detokenizer import ConsumerText
 from radixgen.engine.kv_pool import KVPool
 from radixgen.engine.request import Request, RequestOutput
 from radixgen.engine.results import ResultProcessor
@@ -35,6 +36,7 @@ REQUESTS = [
     ("not-streamed", _params(), False, False, 0),
     ("short", _params(max_new_tokens=5), True, True, 0),
     ("eos", _params(ignore_eos=False), True, True, 0),
+    ("eos-special-text", _params(ignore_eos=False, skip_special_tokens=False), True, False, 0),
     ("stop-string", _params(stop=(" Plain",)), True, False, 0),
     ("logprobs", _params(logprobs=True, top_logprobs=2), True, False, 0),
     ("stop-token", _params(stop_token_ids=(EOS,)), True, False, 0),
@@ -44,8 +46,10 @@ REQUESTS = [
 
 
 def _run(tokenizer: Any, *, lane: bool, monkeypatch: pytest.MonkeyPatch, kv_tokens: int = 4096,
-         check: Any = None) -> tuple[dict[str, list[RequestOutput]], int]:
-    """Outputs each request's consumer saw, in order, and how many came as columns."""
+         check: Any = None, consumer_text: bool = False) -> tuple[dict[str, list[RequestOutput]], int]:
+    """Outputs each request's consumer saw, in order, and how many came as columns. With
+    ``consumer_text`` the requests whose text the engine does not need get it from the consumer
+    (the HTTP front's way)."""
     with monkeypatch.context() as m:
         if not lane:
             m.setattr(ResultProcessor, "_plain_decode_rows", lambda self, plan, result, verdicts: None)
@@ -58,21 +62,30 @@ def _run(tokenizer: Any, *, lane: bool, monkeypatch: pytest.MonkeyPatch, kv_toke
         seen: dict[str, list[RequestOutput]] = {name: [] for name, *_ in REQUESTS}
         deltas = StepDeltas()
         columns_seen = 0
+        texts: dict[str, ConsumerText] = {}
+
+        def receive(out: RequestOutput) -> None:
+            if out.request_id in texts:
+                texts[out.request_id].fill(out)
+            seen[out.request_id].append(out)
+
         order = {name: n for n, (name, *_) in enumerate(REQUESTS)}
         prompt = tokenizer.encode("Tell me something about lanes.", add_special_tokens=False)
         for step in range(200):
             for n, (name, params, stream, columns, arrives) in enumerate(REQUESTS):
                 if arrives == step:
-                    sched.add_request(Request(name, prompt + [100 + n] * (n * 9), params, rng_seed=n,
-                                              on_output=seen[name].append, stream=stream,
-                                              deltas=deltas if columns else None))
+                    prompt_ids = prompt + [100 + n] * (n * 9)
+                    if consumer_text and not params.engine_needs_text:
+                        texts[name] = ConsumerText(tokenizer, prompt_ids, params.skip_special_tokens)
+                    sched.add_request(Request(name, prompt_ids, params, rng_seed=n, on_output=receive, stream=stream,
+                                              deltas=deltas if columns else None, detokenize=name not in texts))
             plan = sched.schedule()
             if plan is None:
                 break
             if check is not None:
                 check(sched, plan)
             # each request "samples" the text from its own offset; "eos" draws EOS at its 12th token
-            tokens = np.array([EOS if r.request_id == "eos" and len(r.output_ids) == 11
+            tokens = np.array([EOS if r.request_id.startswith("eos") and len(r.output_ids) == 11
                                else text_ids[(len(r.output_ids) + 5 * order[r.request_id]) % len(text_ids)]
                                for r in plan.requests], dtype=np.int64)
             logprobs = -np.arange(plan.batch_size, dtype=np.float32) / 10
@@ -82,7 +95,7 @@ def _run(tokenizer: Any, *, lane: bool, monkeypatch: pytest.MonkeyPatch, kv_toke
             if taken is not None:
                 columns_seen += len(taken[0])
                 for out in expand(taken):
-                    seen[out.request_id].append(out)
+                    receive(out)
         assert not sched.has_work()
         sched.check_kv_invariant()
     return seen, columns_seen
@@ -103,6 +116,14 @@ def test_the_batched_lane_gives_every_consumer_the_outputs_of_the_per_request_pa
     assert batched["short"][-1].finish_reason is FinishReason.LENGTH
     assert batched["stop-string"][-1].text.endswith("path.") and batched["stop-string"][-1].finish_reason is FinishReason.STOP
     assert len(batched["not-streamed"]) == 1
+    assert "<|im_end|>" not in batched["eos-special-text"][-1].text
+
+
+def test_text_made_by_the_consumer_equals_the_engines(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine_text, _ = _run(tokenizer, lane=True, monkeypatch=monkeypatch)
+    consumer_text, _ = _run(tokenizer, lane=True, monkeypatch=monkeypatch, consumer_text=True)
+    assert engine_text == consumer_text
+    assert all(o.new_text for o in consumer_text["plain-columns"][:3]), "the consumer made no text"
 
 
 def test_the_row_table_counts_each_requests_tokens_in_every_kind_of_step(
