@@ -80,8 +80,8 @@ def scheduler_step_us(running: int, steps: int, tokenizer: Any = None, served: b
         total += time.perf_counter() - start
         if served and front_us is not None:
             start = time.perf_counter()
-            outputs, columns = pickle.loads(message)[1]
-            for out in [*outputs, *(expand(columns) if columns is not None else ())]:
+            outputs, blocks = pickle.loads(message)[1]
+            for out in [*outputs, *(expand(blocks) if blocks is not None else ())]:
                 if out.request_id in texts:
                     texts[out.request_id].fill(out)
             front_us.append((time.perf_counter() - start) * 1e6)

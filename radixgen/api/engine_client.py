@@ -217,7 +217,7 @@ class EngineClient:
             kind, payload = await self._from_engine.recv_pyobj()
             if kind == "outputs":
                 sinks = self._sinks
-                outputs, columns = payload
+                outputs, blocks = payload
                 for out in outputs:
                     entry = sinks.get(out.request_id)
                     if entry is not None:
@@ -226,8 +226,8 @@ class EngineClient:
                         entry[0].put(entry[1], out)
                         if out.finished:
                             del sinks[out.request_id]
-                if columns is not None:  # one-token deltas of requests that go on (engine/deltas.py)
-                    for out in expand(columns):
+                if blocks is not None:  # one-token deltas of requests that go on (engine/deltas.py)
+                    for out in expand(blocks):
                         entry = sinks.get(out.request_id)
                         if entry is not None:
                             if entry[2] is not None:

@@ -3,8 +3,10 @@
 The engine process sends each step's outputs to the HTTP front in one message. As objects that
 cost one ``RequestOutput`` per running request per step on the engine thread, and pickling a
 dataclass per request: at a thousand streams, several times the scheduler's own work. The
-plain decode rows (results' batched lane) append their deltas here instead, as plain lists that
-pickle in one pass, and the front builds the objects on its side (``expand``).
+plain decode rows (results' batched lane) put their deltas here instead, as plain lists that
+pickle in one pass, and the front builds the objects on its side (``expand``). Rows whose text
+the consumer makes (``Request.detokenize`` False) arrive as whole blocks gathered from the row
+table; rows with text made in the engine are appended one by one.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from collections.abc import Iterator
 
 from radixgen.engine.request import RequestOutput
 
-DeltaColumns = tuple[list[str], list[int], list[str], list[int], list[int], list[int]]
-"""(request ids, token ids, texts, completion tokens, prompt tokens, cached tokens)."""
+DeltaBlock = tuple[list[str], list[int], list[str] | None, list[int], list[int], list[int]]
+"""(request ids, token ids, texts or None for no text, completion tokens, prompt tokens, cached
+tokens), one entry per delta."""
 
 
 class StepDeltas:
-    __slots__ = ("request_ids", "token_ids", "texts", "completion_tokens", "prompt_tokens", "cached_tokens")
+    __slots__ = ("request_ids", "token_ids", "texts", "completion_tokens", "prompt_tokens", "cached_tokens",
+                 "blocks")
 
     def __init__(self) -> None:
         self.request_ids: list[str] = []
@@ -27,22 +31,27 @@ class StepDeltas:
         self.completion_tokens: list[int] = []
         self.prompt_tokens: list[int] = []
         self.cached_tokens: list[int] = []
+        self.blocks: list[DeltaBlock] = []
 
     def __len__(self) -> int:
-        return len(self.request_ids)
+        return len(self.request_ids) + sum(len(block[0]) for block in self.blocks)
 
-    def take(self) -> DeltaColumns | None:
+    def take(self) -> list[DeltaBlock] | None:
         """The deltas gathered since the last call (None if there were none), and a fresh start."""
-        if not self.request_ids:
+        blocks = self.blocks
+        if self.request_ids:
+            blocks.append((self.request_ids, self.token_ids, self.texts, self.completion_tokens, self.prompt_tokens,
+                           self.cached_tokens))
+        if not blocks:
             return None
-        columns = (self.request_ids, self.token_ids, self.texts, self.completion_tokens, self.prompt_tokens,
-                   self.cached_tokens)
         self.__init__()  # type: ignore[misc]
-        return columns
+        return blocks
 
 
-def expand(columns: DeltaColumns) -> Iterator[RequestOutput]:
+def expand(blocks: list[DeltaBlock]) -> Iterator[RequestOutput]:
     """The deltas as the outputs a per-request callback would have received."""
-    for request_id, token, text, completion, prompt, cached in zip(*columns, strict=True):
-        yield RequestOutput(request_id, [token], text, False, prompt_tokens=prompt, completion_tokens=completion,
-                            cached_tokens=cached)
+    for ids, tokens, texts, completion, prompt, cached in blocks:
+        for request_id, token, text, n, p, c in zip(ids, tokens, texts or [""] * len(ids), completion, prompt, cached,
+                                                   strict=True):
+            yield RequestOutput(request_id, [token], text, False, prompt_tokens=p, completion_tokens=n,
+                                cached_tokens=c)

@@ -9,8 +9,10 @@ from typing import Any
 import numpy as np
 
 from radixgen.constraints.events import Rejection
+from radixgen.engine.batch import StepPlan
 from radixgen.engine.detokenizer import IncrementalDetokenizer
 from radixgen.engine.request import FinishReason, Request, RequestOutput
+from radixgen.engine.row_params import RowParams
 from radixgen.engine.sampler import SampleResult
 from radixgen.engine.steering import BudgetSteering
 
@@ -94,6 +96,27 @@ class OutputProcessor:
         if len(tokens) > 1:
             req.pending_extend = True
         return None
+
+    def append_blocks(self, plan: StepPlan, rows: np.ndarray, token_ids: np.ndarray, sinks: np.ndarray,
+                      table: RowParams) -> None:
+        """``append_plain`` for streamed plain rows (batch indices ``rows``) whose text the
+        consumer makes and whose deltas go into a ``StepDeltas`` (``table.sink``): the tokens
+        are appended, the deltas' columns are gathers over the row table, one block per sink."""
+        requests = plan.requests
+        token_array = token_ids[rows]
+        for req, token in zip([requests[i] for i in rows.tolist()], token_array.tolist(), strict=True):
+            output_ids = req.output_ids
+            output_ids.append(token)
+            req.num_emitted = len(output_ids)
+        pool_rows = plan.rows[rows]
+        prompt = table.prompt_len[pool_rows]
+        completion = plan.prefix_lens[rows] + 2 - prompt
+        one_sink = bool((sinks == sinks[0]).all())  # an engine process has one
+        for sink in [int(sinks[0])] if one_sink else np.unique(sinks).tolist():
+            mine = slice(None) if one_sink else sinks == sink
+            table.sinks[sink].blocks.append((
+                table.request_id[pool_rows[mine]].tolist(), token_array[mine].tolist(), None,
+                completion[mine].tolist(), prompt[mine].tolist(), table.cached_tokens[pool_rows[mine]].tolist()))
 
     def append_plain(self, requests: list[Request], rows: list[int], token_ids: list[int],
                      outputs: list[RequestOutput]) -> list[tuple[Request, Exception]]:

@@ -280,6 +280,7 @@ class BatchPlanner:
         if not req.admitted:
             req.admitted = True
             req.cached_tokens = prefix
+            self.kv.row_params.cached_tokens[req.pool_row] = prefix
             self.stats.prompt_tokens += req.prompt_len
             self.stats.cached_prompt_tokens += min(prefix, req.prompt_len)
         self.log.current.cached_tokens += prefix

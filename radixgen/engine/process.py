@@ -48,11 +48,11 @@ def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: 
         pending.append(out)
 
     def flush() -> None:  # engine thread, after each step: one message for the whole batch
-        columns = deltas.take()
-        if pending or columns is not None:
+        blocks = deltas.take()
+        if pending or blocks is not None:
             batch = pending[:]
             pending.clear()
-            send(("outputs", (batch, columns)))
+            send(("outputs", (batch, blocks)))
 
     engine = Engine(config, after_step=flush)
     send(("ready", engine.info()))

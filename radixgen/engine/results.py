@@ -50,7 +50,7 @@ class ResultProcessor:
         extend_lens = plan.extend_lens.tolist()
         plain = self._plain_decode_rows(plan, result, verdicts)
         if plain is not None:
-            self._apply_plain(plan, plain, token_ids, outputs)
+            self._apply_plain(plan, plain, result, token_ids, outputs)
         for i in range(len(plan.requests)) if plain is None else np.flatnonzero(~plain).tolist():
             req = plan.requests[i]
             req.num_computed += extend_lens[i]
@@ -92,18 +92,31 @@ class ResultProcessor:
         rows, tokens = plan.rows[start:], result.token_ids[start:]
         table = self.kv.row_params
         seq_len = plan.prefix_lens[start:] + 2  # with the token this step appends
-        ends = ((seq_len - table.prompt_len[rows] >= table.max_new[rows]) | (seq_len >= self.outputs.max_context_len)
-                | (np.isin(tokens, self.outputs.eos_array) & ~table.ignore_eos[rows]))
+        ends = (seq_len - table.prompt_len[rows] >= table.max_new[rows]) | (seq_len >= self.outputs.max_context_len)
+        eos = np.zeros(len(tokens), dtype=bool)
+        for token in self.outputs.eos_array.tolist():  # one to three ids: cheaper than np.isin's sort
+            eos |= tokens == token
+        ends |= eos & ~table.ignore_eos[rows]
         plain = np.zeros(len(plan.requests), dtype=bool)
         plain[start:] = table.plain[rows] & ~ends
         return plain
 
-    def _apply_plain(self, plan: StepPlan, plain: np.ndarray, token_ids: list[int],
+    def _apply_plain(self, plan: StepPlan, plain: np.ndarray, result: SampleResult, token_ids: list[int],
                      outputs: list[RequestOutput]) -> None:
         """The batched lane of ``process_results``; a request whose stream callback raised ends
         alone, as on the per-request path."""
-        rows = np.flatnonzero(plain).tolist()
+        indices = np.flatnonzero(plain)
+        table = self.kv.row_params
+        sinks = table.sink[plan.rows[indices]]
+        in_blocks = sinks >= 0
         requests = plan.requests
+        if in_blocks.any():  # streams whose text the consumer makes: deltas gathered as blocks
+            block = indices[in_blocks]
+            for i in block.tolist():
+                requests[i].num_computed += 1
+            self.outputs.append_blocks(plan, block, result.token_ids, sinks[in_blocks], table)
+            indices = indices[~in_blocks]
+        rows = indices.tolist()
         for i in rows:
             requests[i].num_computed += 1
         failed = self.outputs.append_plain(requests, rows, token_ids, outputs)

@@ -8,9 +8,14 @@ from the request objects would be rebuilt per step, per request, in Python.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from radixgen.engine.request import Request
+
+if TYPE_CHECKING:
+    from radixgen.engine.deltas import StepDeltas
 
 
 class RowParams:
@@ -35,6 +40,12 @@ class RowParams:
         self.plain = np.zeros(num_rows, dtype=bool)
         """Unconstrained, no stop strings or stop token ids, no log-probabilities: a decode
         token only appends, detokenizes and streams (results' batched lane)."""
+        self.cached_tokens = np.zeros(num_rows, dtype=np.int64)
+        self.request_id = np.full(num_rows, None, dtype=object)
+        self.sink = np.full(num_rows, -1, dtype=np.int64)
+        """Index in ``sinks`` of the ``StepDeltas`` a streamed request whose text its consumer
+        makes takes its one-token deltas into, as whole blocks; -1 for every other request."""
+        self.sinks: list[StepDeltas] = []
         self.owner: list[Request | None] = [None] * num_rows
         """The request holding each row, for the rare per-request extras (logit bias, the stop
         token ids of min_new_tokens)."""
@@ -60,10 +71,22 @@ class RowParams:
         self.ignore_eos[row] = p.ignore_eos
         self.plain[row] = (req.matcher is None and req.validation is None and req.budget is None and not p.stop
                            and not p.stop_token_ids and not p.logprobs and not p.top_logprobs)
+        self.cached_tokens[row] = req.cached_tokens
+        self.request_id[row] = req.request_id
+        deltas = req.deltas
+        self.sink[row] = self._sink_index(deltas) if deltas is not None and req.stream and not req.detokenize else -1
         self.owner[row] = req
 
     def release(self, row: int) -> None:
         self.owner[row] = None
+        self.request_id[row] = None
+
+    def _sink_index(self, deltas: StepDeltas) -> int:
+        for i, known in enumerate(self.sinks):  # one per engine process; a few in tests
+            if known is deltas:
+                return i
+        self.sinks.append(deltas)
+        return len(self.sinks) - 1
 
     @classmethod
     def of(cls, requests: list[Request]) -> RowParams:

@@ -45,6 +45,9 @@ REQUESTS = [
 ]
 
 
+gathered = [0]  # deltas of the last run that came as blocks gathered from the row table (no text)
+
+
 def _run(tokenizer: Any, *, lane: bool, monkeypatch: pytest.MonkeyPatch, kv_tokens: int = 4096,
          check: Any = None, consumer_text: bool = False) -> tuple[dict[str, list[RequestOutput]], int]:
     """Outputs each request's consumer saw, in order, and how many came as columns. With
@@ -62,6 +65,7 @@ def _run(tokenizer: Any, *, lane: bool, monkeypatch: pytest.MonkeyPatch, kv_toke
         seen: dict[str, list[RequestOutput]] = {name: [] for name, *_ in REQUESTS}
         deltas = StepDeltas()
         columns_seen = 0
+        gathered[0] = 0
         texts: dict[str, ConsumerText] = {}
 
         def receive(out: RequestOutput) -> None:
@@ -93,7 +97,8 @@ def _run(tokenizer: Any, *, lane: bool, monkeypatch: pytest.MonkeyPatch, kv_toke
             sched.process_results(plan, SampleResult(tokens, logprobs, top_ids, np.stack([logprobs, logprobs - 1], 1)))
             taken = deltas.take()
             if taken is not None:
-                columns_seen += len(taken[0])
+                columns_seen += sum(len(block[0]) for block in taken)
+                gathered[0] += sum(len(block[0]) for block in taken if block[2] is None)
                 for out in expand(taken):
                     receive(out)
         assert not sched.has_work()
@@ -123,6 +128,7 @@ def test_text_made_by_the_consumer_equals_the_engines(tokenizer: Any, monkeypatc
     engine_text, _ = _run(tokenizer, lane=True, monkeypatch=monkeypatch)
     consumer_text, _ = _run(tokenizer, lane=True, monkeypatch=monkeypatch, consumer_text=True)
     assert engine_text == consumer_text
+    assert gathered[0] > 50, "no deltas came as gathered blocks"
     assert all(o.new_text for o in consumer_text["plain-columns"][:3]), "the consumer made no text"
 
 
