@@ -17,7 +17,7 @@ from radixgen.engine.request import RequestOutput
 
 DeltaBlock = tuple[list[str], list[int], list[str] | None, list[int], list[int], list[int]]
 """(request ids, token ids, texts or None for no text, completion tokens, prompt tokens, cached
-tokens), one entry per delta."""
+tokens), one entry per delta (lists: small numpy arrays pickle slower)."""
 
 
 class StepDeltas:

@@ -97,17 +97,12 @@ class OutputProcessor:
             req.pending_extend = True
         return None
 
-    def append_blocks(self, plan: StepPlan, rows: np.ndarray, token_ids: np.ndarray, sinks: np.ndarray,
+    @staticmethod
+    def gather_blocks(plan: StepPlan, rows: np.ndarray, tokens: np.ndarray, sinks: np.ndarray,
                       table: RowParams) -> None:
-        """``append_plain`` for streamed plain rows (batch indices ``rows``) whose text the
-        consumer makes and whose deltas go into a ``StepDeltas`` (``table.sink``): the tokens
-        are appended, the deltas' columns are gathers over the row table, one block per sink."""
-        requests = plan.requests
-        token_array = token_ids[rows]
-        for req, token in zip([requests[i] for i in rows.tolist()], token_array.tolist(), strict=True):
-            output_ids = req.output_ids
-            output_ids.append(token)
-            req.num_emitted = len(output_ids)
+        """The one-token deltas of streamed plain rows (batch indices ``rows``, their ``tokens``
+        already appended) whose text the consumer makes, into their ``StepDeltas``
+        (``table.sink``): gathers over the row table, one block per sink."""
         pool_rows = plan.rows[rows]
         prompt = table.prompt_len[pool_rows]
         completion = plan.prefix_lens[rows] + 2 - prompt
@@ -115,8 +110,8 @@ class OutputProcessor:
         for sink in [int(sinks[0])] if one_sink else np.unique(sinks).tolist():
             mine = slice(None) if one_sink else sinks == sink
             table.sinks[sink].blocks.append((
-                table.request_id[pool_rows[mine]].tolist(), token_array[mine].tolist(), None,
-                completion[mine].tolist(), prompt[mine].tolist(), table.cached_tokens[pool_rows[mine]].tolist()))
+                table.request_id[pool_rows[mine]].tolist(), tokens[mine].tolist(), None, completion[mine].tolist(),
+                prompt[mine].tolist(), table.cached_tokens[pool_rows[mine]].tolist()))
 
     def append_plain(self, requests: list[Request], rows: list[int], token_ids: list[int],
                      outputs: list[RequestOutput]) -> list[tuple[Request, Exception]]:

@@ -112,9 +112,15 @@ class ResultProcessor:
         requests = plan.requests
         if in_blocks.any():  # streams whose text the consumer makes: deltas gathered as blocks
             block = indices[in_blocks]
-            for i in block.tolist():
-                requests[i].num_computed += 1
-            self.outputs.append_blocks(plan, block, result.token_ids, sinks[in_blocks], table)
+            tokens = result.token_ids[block]
+            everyone = len(block) == len(requests)
+            for req, token in zip(requests if everyone else [requests[i] for i in block.tolist()], tokens.tolist(),
+                                  strict=True):
+                req.num_computed += 1
+                output_ids = req.output_ids
+                output_ids.append(token)
+                req.num_emitted = len(output_ids)  # the block below streams it
+            self.outputs.gather_blocks(plan, block, tokens, sinks[in_blocks], table)
             indices = indices[~in_blocks]
         rows = indices.tolist()
         for i in rows:
