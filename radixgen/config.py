@@ -160,6 +160,11 @@ class ServerConfig(EngineConfig):
     shutdown_timeout: float = 30.0
     """On SIGTERM / SIGINT: seconds the requests in flight get to finish (new ones get 503 with
     Retry-After meanwhile); what is still running then ends with 503. A second signal stops at once."""
+    engine_address: str | None = None
+    """Attach to an engine started on its own with ``radixgen engine --listen FOLDER`` instead
+    of starting one: the engine outlives this server (restart the server without reloading the
+    model or losing the prefix cache). One server at a time: a server that attaches aborts what
+    an earlier one left running. The engine's own options are the ones it was started with."""
     engine_restarts: int = 3
     """How many times the server starts a crashed engine process again (0: never); requests in
     flight when it crashed get HTTP 503."""

@@ -11,6 +11,7 @@ import time
 import types
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from radixgen.config import EngineConfig, ServerConfig
@@ -82,7 +83,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     else:
         from radixgen.api.engine_client import EngineClient
 
-        client = EngineClient(config, restarts=config.engine_restarts)
+        client = EngineClient(config, restarts=config.engine_restarts, attach=config.engine_address)
         client.launch()  # the model loads while the HTTP stack below is imported
 
     import uvicorn
@@ -97,6 +98,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from radixgen.engine.process import skip_exit_collection
 
     skip_exit_collection()
+    return 0
+
+
+def _cmd_engine(args: argparse.Namespace) -> int:
+    """An engine process on its own, for servers started with ``--engine-address`` (it
+    outlives them); SIGTERM stops it."""
+    from radixgen.engine.process import engine_process_main, listen_addresses
+
+    folder = Path(args.listen)
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o700)  # the sockets take requests from anyone who can open them
+    engine_process_main(config_from_args(args), *listen_addresses(str(folder)), listen=True)
     return 0
 
 
@@ -131,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start the OpenAI-compatible server (engine in its own process)")
     add_config_flags(serve, ServerConfig)
     serve.set_defaults(func=_cmd_serve)
+
+    engine = sub.add_parser("engine", help="run an engine on its own for servers to attach to (--engine-address)")
+    engine.add_argument("--listen", required=True, metavar="FOLDER", help="where its ipc sockets are made")
+    add_config_flags(engine)
+    engine.set_defaults(func=_cmd_engine)
 
     sim = sub.add_parser("simulate", help="run the scheduler on a request trace with modelled model time")
     sim.add_argument("trace", nargs="?", help="JSON-lines trace (see radixgen.engine.simulator.load_trace)")

@@ -16,6 +16,7 @@ import logging
 import multiprocessing as mp
 import os
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,7 +27,7 @@ from radixgen.api.engine_handle import OutputSink
 from radixgen.config import EngineConfig
 from radixgen.engine.deltas import expand
 from radixgen.engine.detokenizer import ConsumerText
-from radixgen.engine.process import engine_process_main
+from radixgen.engine.process import FRONT_TIMEOUT_S, engine_process_main, listen_addresses
 from radixgen.engine.request import RequestOutput, SamplingParams
 from radixgen.errors import EngineDeadError, OverloadedError
 
@@ -36,9 +37,13 @@ _SHUTDOWN_SEND_S = 5.0
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, *, restarts: int = 0) -> None:
-        """``restarts``: how many times a crashed engine process is started again."""
+    def __init__(self, config: EngineConfig, *, restarts: int = 0, attach: str | None = None) -> None:
+        """``restarts``: how many times a crashed engine process is started again. ``attach``:
+        the folder of an engine started on its own (``radixgen engine --listen``) to use
+        instead of spawning one; it outlives this client, which pings it and, when it stops
+        answering, fails what is in flight (503) until it answers again."""
         self.config = config
+        self.attach = attach
         self.restarts_left = restarts
         self.num_restarts = 0
         self._closing = False
@@ -55,6 +60,10 @@ class EngineClient:
         self._process: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self._ctx: zmq.asyncio.Context | None = None  # made in the event loop, by start()
+        self._last_heard = time.monotonic()
+        if attach is not None:
+            self._requests_addr, self._outputs_addr = listen_addresses(attach)
+            return
         self._dir = tempfile.mkdtemp(prefix="radixgen-")
         os.chmod(self._dir, 0o700)
         self._generation = 0
@@ -72,8 +81,12 @@ class EngineClient:
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
         self._to_engine = self._ctx.socket(zmq.PUSH)
-        self._to_engine.bind(self._requests_addr)
         self._from_engine = self._ctx.socket(zmq.PULL)
+        if self.attach is not None:  # the listening engine bound them
+            self._to_engine.connect(self._requests_addr)
+            self._from_engine.connect(self._outputs_addr)
+            return
+        self._to_engine.bind(self._requests_addr)
         self._from_engine.bind(self._outputs_addr)
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -82,7 +95,7 @@ class EngineClient:
         """Spawn the engine process without waiting for it. ``radixgen serve`` calls this before
         it imports the HTTP stack, so that the model loads while the server's own imports run
         (they ran one after the other before: benchmarks/bench_startup.py)."""
-        if self._process is not None:
+        if self._process is not None or self.attach is not None:
             return
         spawn = mp.get_context("spawn")
         self._process = spawn.Process(
@@ -93,6 +106,9 @@ class EngineClient:
 
     async def start(self, timeout: float = 600.0) -> None:
         """Launch the engine process (unless ``launch`` did) and wait until it is ready."""
+        if self.attach is not None:
+            await self._attach(timeout)
+            return
         self.launch()
         self._bind()
         ready = asyncio.ensure_future(self._from_engine.recv_pyobj())
@@ -111,8 +127,60 @@ class EngineClient:
         self.dead_reason = None
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._watch_process())]
 
+    async def _attach(self, timeout: float) -> None:
+        """Say hello to the listening engine and wait for its ready message (what it sends
+        before that is for an earlier front: outputs of requests it aborts for us)."""
+        self._bind()
+        await asyncio.wait_for(self._to_engine.send_pyobj(("hello", None)), timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not await self._from_engine.poll(remaining * 1000):
+                raise EngineDeadError(f"no engine answered at {self.attach} within {timeout:.0f} s")
+            kind, info = await self._from_engine.recv_pyobj()
+            if kind == "ready":
+                break
+        self.info = info
+        self.dead_reason = None
+        self._last_heard = time.monotonic()
+        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._heartbeat())]
+
+    async def _heartbeat(self) -> None:
+        """Ping the attached engine each second; one silent for ``FRONT_TIMEOUT_S`` is taken for
+        dead (what is in flight fails with 503) until it answers again, when this front attaches
+        anew (its hello aborts whatever the engine still ran for us)."""
+        while True:
+            await asyncio.sleep(1.0)
+            with contextlib.suppress(zmq.ZMQError, asyncio.TimeoutError):
+                await asyncio.wait_for(self._to_engine.send_pyobj(("ping", None)), 1.0)
+            silent = time.monotonic() - self._last_heard
+            if self.dead_reason is None and silent > FRONT_TIMEOUT_S:
+                self._fail_in_flight(f"the engine at {self.attach} has not answered for {silent:.0f} s")
+            elif self.dead_reason is not None and silent < 1.5:
+                with contextlib.suppress(zmq.ZMQError, asyncio.TimeoutError):
+                    await asyncio.wait_for(self._to_engine.send_pyobj(("hello", None)), 1.0)
+
+    def _fail_in_flight(self, reason: str) -> None:
+        self.dead_reason = reason
+        logger.error("%s; failing %d in-flight requests", reason, len(self._sinks))
+        failure = f"the engine stopped while serving this request: {reason}"
+        for sink, tag, _ in self._sinks.values():
+            sink.put(tag, EngineDeadError(failure))
+        self._sinks.clear()
+        for waiter in self._stats_waiters.values():
+            if not waiter.done():
+                waiter.set_exception(EngineDeadError(reason))
+
     async def shutdown(self) -> None:
         self._closing = True
+        if self.attach is not None:  # the engine outlives its fronts: only let go of it
+            for task in self._tasks:
+                task.cancel()
+            if self._ctx is not None:
+                self._to_engine.close(linger=0)
+                self._from_engine.close(linger=0)
+                self._ctx.term()
+            return
         # a PUSH socket without a live peer blocks the send: a dead engine held the server's
         # shutdown until its supervisor killed it (30 s in the tests)
         if self._process is not None and self._process.is_alive():
@@ -142,7 +210,10 @@ class EngineClient:
 
     @property
     def engine_pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
+        if self._process is not None:
+            return int(self._process.pid)
+        pid = self.info.get("pid")
+        return int(pid) if pid is not None else None
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -215,6 +286,7 @@ class EngineClient:
     async def _receive_loop(self) -> None:
         while True:
             kind, payload = await self._from_engine.recv_pyobj()
+            self._last_heard = time.monotonic()
             if kind == "outputs":
                 sinks = self._sinks
                 outputs, blocks = payload
@@ -233,6 +305,9 @@ class EngineClient:
                             if entry[2] is not None:
                                 entry[2].fill(out)
                             entry[0].put(entry[1], out)
+            elif kind == "ready":  # the attached engine answers again after a silence
+                self.info, self.dead_reason = payload, None
+                logger.warning("the engine at %s answers again", self.attach)
             elif kind == "stats":
                 key, stats = payload
                 waiter = self._stats_waiters.get(key)
@@ -243,15 +318,7 @@ class EngineClient:
         while True:
             await asyncio.sleep(0.25)
             if self._process is not None and not self._process.is_alive():
-                self.dead_reason = f"engine process exited (code {self._process.exitcode})"
-                logger.error("%s; failing %d in-flight requests", self.dead_reason, len(self._sinks))
-                failure = f"the engine stopped while serving this request: {self.dead_reason}"
-                for sink, tag, _ in self._sinks.values():
-                    sink.put(tag, EngineDeadError(failure))
-                self._sinks.clear()
-                for waiter in self._stats_waiters.values():
-                    if not waiter.done():
-                        waiter.set_exception(EngineDeadError(self.dead_reason))
+                self._fail_in_flight(f"engine process exited (code {self._process.exitcode})")
                 if self.restarts_left > 0 and not self._closing:
                     await self._restart()
                 return

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import os
@@ -119,7 +120,8 @@ def _import_tokenizer_stack() -> Any:
 def create_app(config: ServerConfig, *, client: EngineHandle | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine: EngineHandle = client or EngineClient(config, restarts=config.engine_restarts)
+        engine: EngineHandle = client or EngineClient(config, restarts=config.engine_restarts,
+                                                         attach=config.engine_address)
         warm = asyncio.create_task(asyncio.to_thread(_import_tokenizer_stack))
         await engine.start()
         AutoTokenizer = await warm  # noqa: N806 - the class, imported in the thread
@@ -128,7 +130,9 @@ def create_app(config: ServerConfig, *, client: EngineHandle | None = None) -> F
         if isinstance(engine, EngineClient):  # plain requests' text is made here, off the engine loop
             engine.tokenizer = app.state.tokenizer
         app.state.config = config
-        app.state.model_name = served_name(config)
+        if config.engine_address is not None:  # the model is the attached engine's, not a flag of ours
+            app.state.config = dataclasses.replace(config, model=engine.info.get("model"))
+        app.state.model_name = served_name(app.state.config)
         app.state.responses = ConversationStore()
         app.state.token_bytes = TokenBytes(app.state.tokenizer)
         app.state.chat_format = ChatFormat.of(app.state.tokenizer)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import queue
 import random
 import threading
@@ -207,6 +208,20 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    @property
+    def num_active(self) -> int:
+        """Requests submitted and not finished yet."""
+        with self._lock:
+            return len(self._active_ids)
+
+    def abort_all(self) -> int:
+        """Abort every request in flight; return how many there were."""
+        with self._lock:
+            active = list(self._active_ids)
+        for request_id in active:
+            self.abort(request_id)
+        return len(active)
+
     def generate(
         self, prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -347,7 +362,8 @@ class Engine:
         return {"max_context_len": pool.max_context_len, "kv_slots": pool.num_slots,
                 "vocab_size": self.model_config.vocab_size, "model_path": str(self.model_path),
                 "max_new_tokens_limit": self.config.max_new_tokens_limit,
-                "sampling_defaults": self.sampling_defaults, "architecture": self.model_config.architecture}
+                "sampling_defaults": self.sampling_defaults, "architecture": self.model_config.architecture,
+                "pid": os.getpid(), "model": self.config.model}
 
     def stats_snapshot(self) -> dict[str, Any]:
         """KV accounting and scheduler counters, read consistently on the engine thread."""

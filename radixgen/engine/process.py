@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -22,20 +23,38 @@ from radixgen.engine.request import FinishReason, RequestOutput
 logger = logging.getLogger(__name__)
 
 
-def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: str) -> None:
-    """Entry point of the engine process (spawned by the server's EngineClient)."""
+FRONT_TIMEOUT_S = 5.0
+"""A listening engine aborts what its front started once the front has not pinged for this long
+(a front pings every second): nobody would read those outputs."""
+
+
+def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: str, *, listen: bool = False) -> None:
+    """Entry point of the engine process: spawned by the server's EngineClient (it lives as
+    long as that server), or, with ``listen``, started on its own (``radixgen engine --listen``)
+    at addresses it binds, for servers that attach to it one after another: it outlives them,
+    with its model loaded and its prefix cache warm. A front says hello when it attaches (what
+    an earlier front left running is aborted) and pings while attached."""
     import zmq
 
     logging.basicConfig(level=getattr(logging, config.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s engine %(name)s: %(message)s")
-    _exit_with_parent(os.getppid())
+    if not listen:
+        _exit_with_parent(os.getppid())
+    stop = threading.Event()
+    if listen:  # SIGTERM / SIGINT: stop serving (what runs is aborted), exit 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
 
     from radixgen.engine.engine import Engine
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
-    inbox.connect(requests_addr)
     outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(outputs_addr)
+    if listen:
+        inbox.bind(requests_addr)
+        outbox.bind(outputs_addr)
+    else:
+        inbox.connect(requests_addr)
+        outbox.connect(outputs_addr)
     send_lock = threading.Lock()
     pending: list[RequestOutput] = []
     deltas = StepDeltas()  # the plain decode rows' deltas, as columns (engine/deltas.py)
@@ -55,9 +74,18 @@ def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: 
             send(("outputs", (batch, blocks)))
 
     engine = Engine(config, after_step=flush)
-    send(("ready", engine.info()))
+    if listen:
+        logger.info("engine listening at %s (requests) and %s (outputs)", requests_addr, outputs_addr)
+    else:
+        send(("ready", engine.info()))
+    last_ping = time.monotonic()
     try:
-        while True:
+        while not stop.is_set():
+            if not inbox.poll(250):
+                if listen and time.monotonic() - last_ping > FRONT_TIMEOUT_S and engine.num_active:
+                    logger.warning("no front has pinged for %.0f s: aborting its %d requests",
+                                   time.monotonic() - last_ping, engine.abort_all())
+                continue
             kind, payload = inbox.recv_pyobj()
             if kind == "add":
                 request_id, prompt_ids, params, stream, detokenize = payload
@@ -69,6 +97,15 @@ def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: 
                                                      user_error=True)], None)))
             elif kind == "abort":
                 engine.abort(payload)
+            elif kind == "ping":
+                last_ping = time.monotonic()
+                send(("pong", None))
+            elif kind == "hello":  # a front attaches: one at a time, so what runs is an earlier one's
+                last_ping = time.monotonic()
+                aborted = engine.abort_all()
+                if aborted:
+                    logger.warning("a front attached: aborted the %d requests an earlier one left running", aborted)
+                send(("ready", engine.info()))
             elif kind == "stats":
                 send(("stats", (payload, engine.stats_snapshot())))
             elif kind == "shutdown":
@@ -79,6 +116,11 @@ def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: 
         outbox.close(linger=100)
         ctx.term()
         skip_exit_collection()
+
+
+def listen_addresses(folder: str) -> tuple[str, str]:
+    """The request and output addresses of an engine listening in ``folder`` (ipc sockets)."""
+    return f"ipc://{folder}/requests", f"ipc://{folder}/outputs"
 
 
 def _exit_with_parent(parent: int, period_s: float = 0.5) -> None:
