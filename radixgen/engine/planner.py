@@ -148,6 +148,10 @@ class BatchPlanner:
         self.running_version = 0
         """Bumped whenever ``running`` changes; per-batch arrays are reused while it stands."""
         self._decode_arrays: tuple[int, list[Request], np.ndarray, np.ndarray] | None = None
+        self.next_decode_inputs: tuple[int, np.ndarray] | None = None
+        """(running_version, tokens): the last decode step's tokens, each what its request
+        appended (results' batched lane took every row): the next plan's inputs if it is a
+        decode step of the same batch (read, and dropped, by the next ``schedule``)."""
         self.chunked: Request | None = None
         """The request whose prompt is part-way through chunked prefill (holds KV, not running)."""
         self.reserve = DecodeReserve(kv.pool.max_context_len)
@@ -185,6 +189,7 @@ class BatchPlanner:
 
     def schedule(self) -> StepPlan | None:
         plan = None
+        known_inputs, self.next_decode_inputs = self.next_decode_inputs, None  # good for this plan only
         decode_first = self._decode_turn and self.running
         self._decode_turn = False
         if not decode_first and (self.chunked or self.waiting):
@@ -192,7 +197,7 @@ class BatchPlanner:
             if plan is not None and self.running and self.config.mixed_steps:
                 plan = self._with_decode_rows(plan)
         if plan is None and self.running:
-            plan = self._schedule_decode()
+            plan = self._schedule_decode(known_inputs)
         if plan is not None and (plan.kind is StepKind.DECODE or plan.num_decode or plan.draft_lens is not None):
             self.reserve.decode_step()  # the running requests decode in this step, mixed or not
         return plan
@@ -341,7 +346,7 @@ class BatchPlanner:
             num_decode=len(reqs),
         )
 
-    def _schedule_decode(self) -> StepPlan | None:
+    def _schedule_decode(self, known_inputs: tuple[int, np.ndarray] | None = None) -> StepPlan | None:
         if self.chunked is not None and self.kv.short_of(len(self.running)):
             # a half-prefilled prompt holds KV that no running request can use: it goes first
             self._retract_chunked()
@@ -367,7 +372,10 @@ class BatchPlanner:
         batch = len(reqs)
         self._decode_arrays = (self.running_version, reqs, rows, positions)
         self.kv.write(rows, positions, slots)
-        input_ids = _last_tokens(reqs)
+        if known_inputs is not None and known_inputs[0] == self.running_version:
+            input_ids = known_inputs[1]
+        else:
+            input_ids = _last_tokens(reqs)
         self.log.current.new_tokens = batch
         return StepPlan(
             kind=StepKind.DECODE, requests=reqs, rows=rows, prefix_lens=positions,

@@ -51,6 +51,8 @@ class ResultProcessor:
         plain = self._plain_decode_rows(plan, result, verdicts)
         if plain is not None:
             self._apply_plain(plan, plain, result, token_ids, outputs)
+            if plan.batch_version is not None and plain.all():  # each row appended exactly its sample
+                self.planner.next_decode_inputs = (plan.batch_version, result.token_ids.copy())
         for i in range(len(plan.requests)) if plain is None else np.flatnonzero(~plain).tolist():
             req = plan.requests[i]
             req.num_computed += extend_lens[i]

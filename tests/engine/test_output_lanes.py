@@ -49,7 +49,9 @@ gathered = [0]  # deltas of the last run that came as blocks gathered from the r
 
 
 def _run(tokenizer: Any, *, lane: bool, monkeypatch: pytest.MonkeyPatch, kv_tokens: int = 4096,
-         check: Any = None, consumer_text: bool = False) -> tuple[dict[str, list[RequestOutput]], int]:
+         check: Any = None, consumer_text: bool = False,
+         requests: list[tuple[str, SamplingParams, bool, bool, int]] = REQUESTS,
+         ) -> tuple[dict[str, list[RequestOutput]], int]:
     """Outputs each request's consumer saw, in order, and how many came as columns. With
     ``consumer_text`` the requests whose text the engine does not need get it from the consumer
     (the HTTP front's way)."""
@@ -62,7 +64,7 @@ def _run(tokenizer: Any, *, lane: bool, monkeypatch: pytest.MonkeyPatch, kv_toke
                       device="cpu", max_rows=16, max_context_len=1024)
         sched = Scheduler(config, pool, tokenizer, eos_token_ids=(EOS,))
         text_ids = tokenizer.encode(TEXT, add_special_tokens=False)
-        seen: dict[str, list[RequestOutput]] = {name: [] for name, *_ in REQUESTS}
+        seen: dict[str, list[RequestOutput]] = {name: [] for name, *_ in requests}
         deltas = StepDeltas()
         columns_seen = 0
         gathered[0] = 0
@@ -73,10 +75,10 @@ def _run(tokenizer: Any, *, lane: bool, monkeypatch: pytest.MonkeyPatch, kv_toke
                 texts[out.request_id].fill(out)
             seen[out.request_id].append(out)
 
-        order = {name: n for n, (name, *_) in enumerate(REQUESTS)}
+        order = {name: n for n, (name, *_) in enumerate(requests)}
         prompt = tokenizer.encode("Tell me something about lanes.", add_special_tokens=False)
         for step in range(200):
-            for n, (name, params, stream, columns, arrives) in enumerate(REQUESTS):
+            for n, (name, params, stream, columns, arrives) in enumerate(requests):
                 if arrives == step:
                     prompt_ids = prompt + [100 + n] * (n * 9)
                     if consumer_text and not params.engine_needs_text:
@@ -138,8 +140,12 @@ def test_the_row_table_counts_each_requests_tokens_in_every_kind_of_step(
     and the prefill rows' own counts; checked against the requests in prefill, mixed and decode
     steps, with a pool small enough to retract (resumed requests prefill their output again)."""
     kinds: set[str] = set()
+    decode_plans = [0]
 
     def check(sched: Scheduler, plan: StepPlan) -> None:
+        if plan.kind is StepKind.DECODE:  # inputs reused from the last step's tokens must be each newest token
+            assert plan.input_ids.tolist() == [r.output_ids[-1] for r in plan.requests]
+            decode_plans[0] += 1
         cache = SamplingBatchCache(49152, torch.device("cpu"), sched.kv.row_params)
         batch = cache.get(plan)
         reference = SamplingBatch.from_requests(plan.requests, 49152, torch.device("cpu"))
@@ -153,3 +159,6 @@ def test_the_row_table_counts_each_requests_tokens_in_every_kind_of_step(
 
     _run(tokenizer, lane=True, monkeypatch=monkeypatch, kv_tokens=420, check=check)
     assert kinds >= {"prefill", "mixed", "decode", "resumed"}, kinds
+    plain = [r for r in REQUESTS if not r[1].engine_needs_text and not r[1].logprobs and not r[1].stop_token_ids]
+    _run(tokenizer, lane=True, monkeypatch=monkeypatch, check=check, requests=plain)
+    assert decode_plans[0] > 20
