@@ -35,7 +35,7 @@ SAMPLE_TEXT = ("The scheduler decides, at every step, which requests run: naïve
 
 
 def scheduler_step_us(running: int, steps: int, tokenizer: Any = None, served: bool = False,
-                      front_us: list[float] | None = None) -> float:
+                      front_us: list[float] | None = None, step_us: list[float] | None = None) -> float:
     """With a tokenizer the step includes what a served step does per token: detokenization
     and a streamed output handed to each request's callback. ``served``: the outputs go as the
     engine process sends them to the HTTP front (deltas as columns, one pickled message per
@@ -77,7 +77,10 @@ def scheduler_step_us(running: int, steps: int, tokenizer: Any = None, served: b
         if served:
             message = pickle.dumps(("outputs", (pending[:], deltas.take())), protocol=pickle.HIGHEST_PROTOCOL)
             pending.clear()
-        total += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        total += elapsed
+        if step_us is not None:
+            step_us.append(elapsed * 1e6)
         if served and front_us is not None:
             start = time.perf_counter()
             outputs, blocks = pickle.loads(message)[1]
@@ -136,17 +139,20 @@ def main() -> None:
         bare_us = scheduler_step_us(running, args.steps)
         sched_us = scheduler_step_us(running, args.steps, tokenizer)
         front: list[float] = []
-        served_us = scheduler_step_us(running, args.steps, tokenizer, served=True, front_us=front)
+        served_steps: list[float] = []
+        served_us = scheduler_step_us(running, args.steps, tokenizer, served=True, front_us=front,
+                                      step_us=served_steps)
         fwd_ms = None
         if engine is not None and running <= REAL_MAX_RUNNING:
             fwd_ms = engine.run_on_loop(lambda running=running: real_forward_ms(running, 8, engine), timeout=1800)
         rows.append({"running": running, "scheduler_us_per_step": sched_us, "served_us": served_us,
+                     "served_p50_us": float(np.median(served_steps)),
                      "front_us": float(np.mean(front)),
                      "without_text_us": bare_us,
                      "forward_ms": fwd_ms, "scheduler_share_pct": sched_us / 10 / fwd_ms if fwd_ms else None})
     if engine is not None:
         engine.shutdown()
-    print_table(rows, ["running", "scheduler_us_per_step", "served_us", "front_us", "without_text_us", "forward_ms", "scheduler_share_pct"])
+    print_table(rows, ["running", "scheduler_us_per_step", "served_us", "served_p50_us", "front_us", "without_text_us", "forward_ms", "scheduler_share_pct"])
     print(f"wrote {write_json('bench_scheduler', {'rows': rows, 'prompt_len': PROMPT_LEN})}")
 
 
