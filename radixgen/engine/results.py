@@ -9,20 +9,53 @@ request back to the queue, and a fault in one request ends that request alone.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from radixgen.config import EngineConfig
 from radixgen.engine.batch import StepKind, StepPlan
+from radixgen.engine.deltas import StepDeltas
 from radixgen.engine.kv_cache import KVCacheManager
 from radixgen.engine.outputs import OutputProcessor
 from radixgen.engine.planner import BatchPlanner
 from radixgen.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from radixgen.engine.row_params import RowParams
 from radixgen.engine.sampler import SampleResult
 from radixgen.engine.speculative import Verdict
 from radixgen.engine.stats import SchedulerStats, StepLog
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _SteadyBatch:
+    """A decode batch's constants for ``ResultProcessor._steady_step`` (``sink`` None: the
+    batch is not one whose every row streams plain deltas into one sink)."""
+
+    version: int
+    sink: StepDeltas | None
+    end_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """[B] the sequence length at which each row ends (its max tokens, or the context)."""
+    stops_at_eos: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    prompt_len: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    request_ids: list[str] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, plan: StepPlan, table: RowParams, max_context_len: int) -> _SteadyBatch:
+        assert plan.batch_version is not None
+        rows = plan.rows
+        sinks = table.sink[rows]
+        if not len(rows) or not table.plain[rows].all() or sinks[0] < 0 or not (sinks == sinks[0]).all():
+            return cls(plan.batch_version, None)
+        prompt_len = table.prompt_len[rows]
+        return cls(plan.batch_version, table.sinks[int(sinks[0])],
+                   end_at=np.minimum(prompt_len + table.max_new[rows], max_context_len),
+                   stops_at_eos=~table.ignore_eos[rows], prompt_len=prompt_len,
+                   request_ids=table.request_id[rows].tolist(), prompt_tokens=prompt_len.tolist(),
+                   cached_tokens=table.cached_tokens[rows].tolist())
 
 
 class ResultProcessor:
@@ -36,6 +69,7 @@ class ResultProcessor:
         self.log = log
         self.requests = requests
         """Every request the scheduler holds (shared with it); a finished one leaves it here."""
+        self._steady: _SteadyBatch | None = None
 
     def process_results(self, plan: StepPlan, result: SampleResult, forward_s: float = 0.0,
                         verdicts: dict[int, Verdict] | None = None) -> list[RequestOutput]:
@@ -44,16 +78,22 @@ class ResultProcessor:
         outputs: list[RequestOutput] = []
         if self.planner.drafter.active:
             self.planner.drafter.cost.observe(plan, forward_s)
-        token_ids = result.token_ids.tolist()
-        allow_jump = len(self.planner.running) <= self.config.jump_forward_max_batch
         num_prefill = plan.num_prefill if plan.kind is StepKind.PREFILL else 0
-        extend_lens = plan.extend_lens.tolist()
-        plain = self._plain_decode_rows(plan, result, verdicts)
-        if plain is not None:
-            self._apply_plain(plan, plain, result, token_ids, outputs)
-            if plan.batch_version is not None and plain.all():  # each row appended exactly its sample
-                self.planner.next_decode_inputs = (plan.batch_version, result.token_ids.copy())
-        for i in range(len(plan.requests)) if plain is None else np.flatnonzero(~plain).tolist():
+        rest: list[int] = []  # the rows left to the per-request path
+        token_ids: list[int] = []
+        if verdicts is None and self._steady_step(plan, result):
+            pass
+        else:
+            token_ids = result.token_ids.tolist()
+            plain = self._plain_decode_rows(plan, result, verdicts)
+            if plain is not None:
+                self._apply_plain(plan, plain, result, token_ids, outputs)
+                if plan.batch_version is not None and plain.all():  # each row appended exactly its sample
+                    self.planner.next_decode_inputs = (plan.batch_version, result.token_ids.copy())
+            rest = list(range(len(plan.requests))) if plain is None else np.flatnonzero(~plain).tolist()
+        allow_jump = len(self.planner.running) <= self.config.jump_forward_max_batch
+        extend_lens = plan.extend_lens.tolist() if rest else []
+        for i in rest:
             req = plan.requests[i]
             req.num_computed += extend_lens[i]
             try:
@@ -80,6 +120,38 @@ class ResultProcessor:
         self.stats.record(step, queue_depth=len(self.planner.waiting), running=len(self.planner.running),
                           kv_used=self.kv.used(), cached=self.kv.cached_tokens())
         return outputs
+
+    def _steady_step(self, plan: StepPlan, result: SampleResult) -> bool:
+        """The serving steady state, whole: a decode step of an unchanged batch whose every row
+        is a plain stream with its text made by the consumer and its deltas in one sink, and
+        none of them ends here. What does not change between such steps (where each row ends,
+        the deltas' ids, prompt and cached lengths) is gathered once per batch (``_SteadyBatch``);
+        a step only appends, checks ends and adds one block. False (nothing done) otherwise."""
+        version = plan.batch_version
+        if version is None:
+            return False
+        steady = self._steady
+        if steady is None or steady.version != version:
+            steady = self._steady = _SteadyBatch.of(plan, self.kv.row_params, self.outputs.max_context_len)
+        if steady.sink is None:
+            return False
+        tokens = result.token_ids
+        seq_len = plan.prefix_lens + 2  # with the token this step appends
+        ends = seq_len >= steady.end_at
+        for token in self.outputs.eos_array.tolist():
+            ends |= (tokens == token) & steady.stops_at_eos
+        if ends.any():
+            return False
+        token_list = tokens.tolist()
+        for req, token in zip(plan.requests, token_list, strict=True):
+            req.num_computed += 1
+            output_ids = req.output_ids
+            output_ids.append(token)
+            req.num_emitted = len(output_ids)  # the block below streams it
+        steady.sink.blocks.append((steady.request_ids, token_list, None, (seq_len - steady.prompt_len).tolist(),
+                                   steady.prompt_tokens, steady.cached_tokens))
+        self.planner.next_decode_inputs = (version, tokens.copy())
+        return True
 
     def _plain_decode_rows(self, plan: StepPlan, result: SampleResult,
                            verdicts: dict[int, Verdict] | None) -> np.ndarray | None:

@@ -162,3 +162,25 @@ def test_the_row_table_counts_each_requests_tokens_in_every_kind_of_step(
     plain = [r for r in REQUESTS if not r[1].engine_needs_text and not r[1].logprobs and not r[1].stop_token_ids]
     _run(tokenizer, lane=True, monkeypatch=monkeypatch, check=check, requests=plain)
     assert decode_plans[0] > 20
+
+
+def test_a_batch_of_block_streams_steps_whole_and_gives_the_per_request_outputs(
+        tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When every running row streams plain deltas into one sink (the engine process's steady
+    state) a decode step is applied whole (``_steady_step``); the outputs are the per-request
+    path's, through rows ending at EOS, at max tokens and joining mid-run."""
+    blocks = [r for r in REQUESTS if r[3] and not r[1].engine_needs_text and not r[1].logprobs]
+    assert {name for name, *_ in blocks} >= {"short", "eos", "late"}
+    steady_steps = [0]
+    original = ResultProcessor._steady_step
+
+    def counted(self: ResultProcessor, plan: StepPlan, result: SampleResult) -> bool:
+        took = original(self, plan, result)
+        steady_steps[0] += took
+        return took
+
+    reference, _ = _run(tokenizer, lane=False, monkeypatch=monkeypatch, requests=blocks)
+    monkeypatch.setattr(ResultProcessor, "_steady_step", counted)
+    whole, _ = _run(tokenizer, lane=True, monkeypatch=monkeypatch, consumer_text=True, requests=blocks)
+    assert whole == reference
+    assert steady_steps[0] > 20, steady_steps
