@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_json  # noqa: E402
 from radixgen import EngineConfig, SamplingParams  # noqa: E402
-from radixgen.engine.deltas import StepDeltas, expand  # noqa: E402
+from radixgen.engine.deltas import DeltaReader, StepDeltas  # noqa: E402
 from radixgen.engine.detokenizer import ConsumerText  # noqa: E402
 from radixgen.engine.kv_pool import KVPool  # noqa: E402
 from radixgen.engine.request import Request, RequestOutput  # noqa: E402
@@ -50,6 +50,7 @@ def scheduler_step_us(running: int, steps: int, tokenizer: Any = None, served: b
     params = SamplingParams(max_new_tokens=10**6 // 1000, temperature=0.7, top_p=0.9, ignore_eos=True)
     pending: list[RequestOutput] = []
     deltas = StepDeltas()
+    reader = DeltaReader()
     texts: dict[str, ConsumerText] = {}
     for i in range(running):
         prompt = [5 + (i * 31 + j) % 40000 for j in range(PROMPT_LEN)]
@@ -84,7 +85,7 @@ def scheduler_step_us(running: int, steps: int, tokenizer: Any = None, served: b
         if served and front_us is not None:
             start = time.perf_counter()
             outputs, blocks = pickle.loads(message)[1]
-            for out in [*outputs, *(expand(blocks) if blocks is not None else ())]:
+            for out in [*outputs, *(reader.expand(blocks) if blocks is not None else ())]:
                 if out.request_id in texts:
                     texts[out.request_id].fill(out)
             front_us.append((time.perf_counter() - start) * 1e6)

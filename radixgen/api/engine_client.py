@@ -25,7 +25,7 @@ import zmq.asyncio
 
 from radixgen.api.engine_handle import OutputSink
 from radixgen.config import EngineConfig
-from radixgen.engine.deltas import expand
+from radixgen.engine.deltas import DeltaReader
 from radixgen.engine.detokenizer import ConsumerText
 from radixgen.engine.process import FRONT_TIMEOUT_S, engine_process_main, listen_addresses
 from radixgen.engine.request import RequestOutput, SamplingParams
@@ -52,6 +52,7 @@ class EngineClient:
         self._sinks: dict[str, tuple[OutputSink, int, ConsumerText | None]] = {}
         """Unfinished requests: where their outputs go (sink, tag, and the text made here for a
         request the engine does not detokenize)."""
+        self._deltas = DeltaReader()  # it keeps the batch columns the engine sends once (engine/deltas.py)
         self.tokenizer: Any = None
         """Set by the server once loaded: the text of requests without stop strings or a
         constraint is then made here from their token ids, off the engine's loop."""
@@ -98,6 +99,7 @@ class EngineClient:
         if self._process is not None or self.attach is not None:
             return
         spawn = mp.get_context("spawn")
+        self._deltas = DeltaReader()
         self._process = spawn.Process(
             target=engine_process_main, args=(self.config, self._requests_addr, self._outputs_addr),
             name="radixgen-engine", daemon=True,
@@ -299,7 +301,7 @@ class EngineClient:
                         if out.finished:
                             del sinks[out.request_id]
                 if blocks is not None:  # one-token deltas of requests that go on (engine/deltas.py)
-                    for out in expand(blocks):
+                    for out in self._deltas.expand(blocks):
                         entry = sinks.get(out.request_id)
                         if entry is not None:
                             if entry[2] is not None:
@@ -307,6 +309,7 @@ class EngineClient:
                             entry[0].put(entry[1], out)
             elif kind == "ready":  # the attached engine answers again after a silence
                 self.info, self.dead_reason = payload, None
+                self._deltas = DeltaReader()
                 logger.warning("the engine at %s answers again", self.attach)
             elif kind == "stats":
                 key, stats = payload

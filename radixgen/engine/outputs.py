@@ -109,9 +109,9 @@ class OutputProcessor:
         one_sink = bool((sinks == sinks[0]).all())  # an engine process has one
         for sink in [int(sinks[0])] if one_sink else np.unique(sinks).tolist():
             mine = slice(None) if one_sink else sinks == sink
-            table.sinks[sink].blocks.append((
-                table.request_id[pool_rows[mine]].tolist(), tokens[mine].tolist(), None, completion[mine].tolist(),
-                prompt[mine].tolist(), table.cached_tokens[pool_rows[mine]].tolist()))
+            columns = (None, table.request_id[pool_rows[mine]].tolist(), prompt[mine].tolist(),
+                       table.cached_tokens[pool_rows[mine]].tolist())
+            table.sinks[sink].blocks.append((columns, tokens[mine].tolist(), None, completion[mine].tolist()))
 
     def append_plain(self, requests: list[Request], rows: list[int], token_ids: list[int],
                      outputs: list[RequestOutput]) -> list[tuple[Request, Exception]]:

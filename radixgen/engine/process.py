@@ -108,6 +108,7 @@ def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: 
             elif kind == "hello":  # a front attaches: one at a time, so what runs is an earlier one's
                 last_ping = time.monotonic()
                 aborted = engine.abort_all()
+                deltas.forget()
                 if aborted:
                     logger.warning("a front attached: aborted the %d requests an earlier one left running", aborted)
                 send(("ready", engine.info()))

@@ -15,7 +15,7 @@ import numpy as np
 
 from radixgen.config import EngineConfig
 from radixgen.engine.batch import StepKind, StepPlan
-from radixgen.engine.deltas import StepDeltas
+from radixgen.engine.deltas import Columns, StepDeltas
 from radixgen.engine.kv_cache import KVCacheManager
 from radixgen.engine.outputs import OutputProcessor
 from radixgen.engine.planner import BatchPlanner
@@ -39,9 +39,9 @@ class _SteadyBatch:
     """[B] the sequence length at which each row ends (its max tokens, or the context)."""
     stops_at_eos: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     prompt_len: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    request_ids: list[str] = field(default_factory=list)
-    prompt_tokens: list[int] = field(default_factory=list)
-    cached_tokens: list[int] = field(default_factory=list)
+    columns: Columns = (None, [], [], [])
+    """The deltas' request ids, prompt and cached lengths, keyed by the batch's version: sent
+    once per batch (engine/deltas.py)."""
 
     @classmethod
     def of(cls, plan: StepPlan, table: RowParams, max_context_len: int) -> _SteadyBatch:
@@ -54,8 +54,8 @@ class _SteadyBatch:
         return cls(plan.batch_version, table.sinks[int(sinks[0])],
                    end_at=np.minimum(prompt_len + table.max_new[rows], max_context_len),
                    stops_at_eos=~table.ignore_eos[rows], prompt_len=prompt_len,
-                   request_ids=table.request_id[rows].tolist(), prompt_tokens=prompt_len.tolist(),
-                   cached_tokens=table.cached_tokens[rows].tolist())
+                   columns=(plan.batch_version, table.request_id[rows].tolist(), prompt_len.tolist(),
+                            table.cached_tokens[rows].tolist()))
 
 
 class ResultProcessor:
@@ -148,8 +148,7 @@ class ResultProcessor:
             output_ids = req.output_ids
             output_ids.append(token)
             req.num_emitted = len(output_ids)  # the block below streams it
-        steady.sink.blocks.append((steady.request_ids, token_list, None, (seq_len - steady.prompt_len).tolist(),
-                                   steady.prompt_tokens, steady.cached_tokens))
+        steady.sink.blocks.append((steady.columns, token_list, None, (seq_len - steady.prompt_len).tolist()))
         self.planner.next_decode_inputs = (version, tokens.copy())
         return True
 

@@ -4,6 +4,7 @@ against the requests it was written from."""
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 
 from radixgen import EngineConfig, FinishReason, SamplingParams
 from radixgen.engine.batch import StepKind, StepPlan
-from radixgen.engine.deltas import StepDeltas, expand
+from radixgen.engine.deltas import DeltaReader, StepDeltas
 from radixgen.engine.detokenizer import ConsumerText
 from radixgen.engine.kv_pool import KVPool
 from radixgen.engine.request import Request, RequestOutput
@@ -46,6 +47,7 @@ REQUESTS = [
 
 
 gathered = [0]  # deltas of the last run that came as blocks gathered from the row table (no text)
+by_key = [0]  # blocks of the last run whose columns came as the key of columns sent before
 
 
 def _run(tokenizer: Any, *, lane: bool, monkeypatch: pytest.MonkeyPatch, kv_tokens: int = 4096,
@@ -66,8 +68,9 @@ def _run(tokenizer: Any, *, lane: bool, monkeypatch: pytest.MonkeyPatch, kv_toke
         text_ids = tokenizer.encode(TEXT, add_special_tokens=False)
         seen: dict[str, list[RequestOutput]] = {name: [] for name, *_ in requests}
         deltas = StepDeltas()
+        reader = DeltaReader()
         columns_seen = 0
-        gathered[0] = 0
+        gathered[0] = by_key[0] = 0
         texts: dict[str, ConsumerText] = {}
 
         def receive(out: RequestOutput) -> None:
@@ -99,9 +102,11 @@ def _run(tokenizer: Any, *, lane: bool, monkeypatch: pytest.MonkeyPatch, kv_toke
             sched.process_results(plan, SampleResult(tokens, logprobs, top_ids, np.stack([logprobs, logprobs - 1], 1)))
             taken = deltas.take()
             if taken is not None:
-                columns_seen += sum(len(block[0]) for block in taken)
-                gathered[0] += sum(len(block[0]) for block in taken if block[2] is None)
-                for out in expand(taken):
+                taken = pickle.loads(pickle.dumps(taken))  # as the front gets them
+                columns_seen += sum(len(block[1]) for block in taken)
+                gathered[0] += sum(len(block[1]) for block in taken if block[2] is None)
+                by_key[0] += sum(isinstance(block[0], int) for block in taken)
+                for out in reader.expand(taken):
                     receive(out)
         assert not sched.has_work()
         sched.check_kv_invariant()
@@ -184,3 +189,24 @@ def test_a_batch_of_block_streams_steps_whole_and_gives_the_per_request_outputs(
     whole, _ = _run(tokenizer, lane=True, monkeypatch=monkeypatch, consumer_text=True, requests=blocks)
     assert whole == reference
     assert steady_steps[0] > 20, steady_steps
+    assert by_key[0] > 10, "a steady batch sent its ids and lengths every step"
+
+
+def test_keyed_columns_go_once_per_consumer_and_a_key_a_reader_never_got_names_no_request() -> None:
+    deltas = StepDeltas()
+    columns = (7, ["a", "b"], [3, 4], [0, 2])
+    sent = []
+    for step in range(4):
+        deltas.blocks.append((columns, [10 + step, 20 + step], None, [step + 1, step + 1]))
+        if step == 2:
+            deltas.forget()  # a new consumer attached: it has never seen key 7
+        taken = deltas.take()
+        assert taken is not None
+        sent.append(taken[0][0])
+    assert sent == [columns, 7, columns, 7]  # whole at first and after forget(), a key otherwise
+    reader = DeltaReader()
+    assert list(reader.expand([(7, [1, 2], None, [1, 1])])) == []  # an earlier consumer's batch
+    outs = list(reader.expand([(columns, [1, 2], None, [1, 1]), (7, [5, 6], ["x", "y"], [2, 2])]))
+    assert [(o.request_id, o.new_token_ids, o.new_text, o.prompt_tokens, o.cached_tokens, o.completion_tokens)
+            for o in outs] == [("a", [1], "", 3, 0, 1), ("b", [2], "", 4, 2, 1),
+                               ("a", [5], "x", 3, 0, 2), ("b", [6], "y", 4, 2, 2)]
