@@ -1,6 +1,7 @@
 // Weight-only quantized linears on CPU: y = x @ dequant(W).T with W stored as 4-bit or 8-bit
-// integers in groups of 32 along the input dimension, each group with a float scale and (4-bit)
-// a float minimum: w = q * scale + min. This is GGUF's Q4_1 (Q4_0 is min = -8 * scale) and Q8_0
+// integers in groups of 32 along the input dimension, each group with a float16 scale and (4-bit)
+// a float16 minimum: w = q * scale + min (float16 as in the GGUF blocks: the scales and minimums
+// are a fifth of a 4-bit weight's bytes, and the decode step is bound by the bytes it reads). This is GGUF's Q4_1 (Q4_0 is min = -8 * scale) and Q8_0
 // (signed q, no min), repacked at load into three arrays. A 4-bit group's 16 bytes hold element
 // j in the low nibble of byte j and element j + 16 in its high nibble, as in the GGUF blocks.
 //
@@ -8,7 +9,7 @@
 // token and group: each value within 2^-16 of its group's largest, where bf16 rounds to 2^-9 of
 // the value itself); each group of weights is then widened to 16-bit lanes once and multiplied
 // with up to four tokens by integer multiply-adds, summed exactly, and scaled once per group.
-// W streams at 0.625 (4-bit) or 1.125 (8-bit) bytes per weight, against 2 for bf16 and 4 for
+// W streams at 0.625 (4-bit) or 1.0625 (8-bit) bytes per weight, scales and minimums included, against 2 for bf16 and 4 for
 // fp32, and no float copy of it is made at any batch size. This replaced a kernel that decoded
 // the weights to floats in registers: the integer one does half the instructions per weight
 // (madd_epi16 multiplies 16 pairs, an FMA 8) and no int-to-float conversion of weights.
@@ -23,7 +24,7 @@
 
 #include <vector>
 
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -37,17 +38,27 @@ constexpr int64_t kPrefetchRows = 8;
 
 using radixgen::to_float;
 
+// A row's float16 scales or minimums as floats.
+inline void half_to_float(const at::Half* __restrict src, int64_t n, float* __restrict dst) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
 // One output row's weights as floats: out[K] = q * scale + min (one rounding where the compiler
 // fuses the multiply-add; GGUF readers round twice: the values may differ in the last bit).
 // __restrict: bytes may alias anything, and without it the stores to `out` kept the byte loads
 // from being vectorised.
-inline void decode_row(const uint8_t* __restrict q, const float* __restrict scales, const float* __restrict mins,
+inline void decode_row(const uint8_t* __restrict q, const at::Half* __restrict scales, const at::Half* __restrict mins,
                        int64_t k, int64_t bits, float* __restrict out) {
   const int64_t groups = k / kGroup;
   if (bits == 4) {
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* __restrict b = q + g * (kGroup / 2);
-      const float d = scales[g], m = mins ? mins[g] : 0.f;
+      const float d = static_cast<float>(scales[g]), m = mins ? static_cast<float>(mins[g]) : 0.f;
       float* __restrict o = out + g * kGroup;
 #ifdef __AVX2__
       // GCC's own vectorisation of the nibble loops ran ~10x slower than these eight ops
@@ -67,7 +78,7 @@ inline void decode_row(const uint8_t* __restrict q, const float* __restrict scal
   } else {
     const int8_t* __restrict s = reinterpret_cast<const int8_t*>(q);
     for (int64_t g = 0; g < groups; ++g) {
-      const float d = scales[g];
+      const float d = static_cast<float>(scales[g]);
       for (int64_t j = 0; j < kGroup; ++j) out[g * kGroup + j] = static_cast<float>(s[g * kGroup + j]) * d;
     }
   }
@@ -179,25 +190,28 @@ inline float dot_floats(const float* __restrict a, const float* __restrict b, in
 // batch, and a speculative step's extend reproduces the decode step's logits bit for bit.
 template <int kBits, int kTokens>
 void int_rows(const int16_t* __restrict xq, const float* __restrict xd, const float* __restrict xs,
-              const uint8_t* __restrict q, const float* __restrict scales, const float* __restrict mins, int64_t k,
+              const uint8_t* __restrict q, const at::Half* __restrict scales, const at::Half* __restrict mins, int64_t k,
               int64_t n, int64_t begin, int64_t end, float* __restrict out) {
   constexpr int kAcc = 2;  // one per group of a pair, whatever kTokens is (see above)
   constexpr int64_t group_bytes = kGroup * kBits / 8;
   const int64_t groups = k / kGroup, row_bytes = k * kBits / 8;
-  thread_local std::vector<float> row_scale;
-  row_scale.resize(kTokens * groups);
+  thread_local std::vector<float> row_scale, row_floats;
+  row_scale.resize(kTokens * groups), row_floats.resize(2 * groups);
   float* __restrict rs = row_scale.data();
+  float* __restrict d = row_floats.data();  // the row's scales, then its minimums, as floats
+  float* __restrict m = d + groups;
   for (int64_t r = begin; r < end; ++r) {
     const uint8_t* row = q + r * row_bytes;
-    const float* d = scales + r * groups;
     if (r + kPrefetchRows < end) {
       const uint8_t* ahead = row + kPrefetchRows * row_bytes;
       for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(ahead + line);
-      for (int64_t line = 0; line < groups; line += 16) {
-        __builtin_prefetch(d + kPrefetchRows * groups + line);
+      for (int64_t line = 0; line < groups; line += 32) {
+        __builtin_prefetch(scales + (r + kPrefetchRows) * groups + line);
         if (mins) __builtin_prefetch(mins + (r + kPrefetchRows) * groups + line);
       }
     }
+    half_to_float(scales + r * groups, groups, d);
+    if (mins) half_to_float(mins + r * groups, groups, m);
     for (int t = 0; t < kTokens; ++t)
       for (int64_t g = 0; g < groups; ++g) rs[t * groups + g] = d[g] * xd[t * groups + g];
     __m256 acc[kTokens][kAcc];
@@ -227,12 +241,12 @@ void int_rows(const int16_t* __restrict xq, const float* __restrict xd, const fl
     for (int t = 0; t < kTokens; ++t) {
       __m256 total = acc[t][0];
       for (int a = 1; a < kAcc; ++a) total = _mm256_add_ps(total, acc[t][a]);
-      out[t * n + r] = hsum(total) + (mins ? dot_floats(mins + r * groups, xs + t * groups, groups) : 0.f);
+      out[t * n + r] = hsum(total) + (mins ? dot_floats(m, xs + t * groups, groups) : 0.f);
     }
   }
 }
 
-using IntRows = void (*)(const int16_t*, const float*, const float*, const uint8_t*, const float*, const float*,
+using IntRows = void (*)(const int16_t*, const float*, const float*, const uint8_t*, const at::Half*, const at::Half*,
                          int64_t, int64_t, int64_t, int64_t, float*);
 template <int kBits>
 constexpr IntRows kIntRows[] = {nullptr, int_rows<kBits, 1>, int_rows<kBits, 2>, int_rows<kBits, 3>,
@@ -246,12 +260,12 @@ void check(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor
   TORCH_CHECK(qweight.device().is_cpu() && qweight.is_contiguous() && qweight.dim() == 2, "qweight: contiguous [N, K*bits/8]");
   TORCH_CHECK(qweight.scalar_type() == (bits == 4 ? at::kByte : at::kChar), "qweight: uint8 for 4 bits, int8 for 8");
   TORCH_CHECK(k % kGroup == 0 && qweight.size(1) == k * bits / 8, "K must be a multiple of 32 and match qweight");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
                   scales.sizes() == at::IntArrayRef({qweight.size(0), k / kGroup}),
-              "scales: float32 [N, K/32]");
+              "scales: float16 [N, K/32]");
   TORCH_CHECK(!mins.defined() || mins.numel() == 0 ||
-                  (mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.sizes() == scales.sizes()),
-              "mins: float32 [N, K/32] or empty");
+                  (mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.sizes() == scales.sizes()),
+              "mins: float16 [N, K/32] or empty");
 }
 
 }  // namespace
@@ -267,8 +281,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const float* xp = xf.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const uint8_t* qp = static_cast<const uint8_t*>(qweight.data_ptr());
-  const float* sp = scales.data_ptr<float>();
-  const float* mp = mins.defined() && mins.numel() ? mins.data_ptr<float>() : nullptr;
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  const at::Half* mp = mins.defined() && mins.numel() ? mins.data_ptr<at::Half>() : nullptr;
   const int64_t row_bytes = qweight.size(1), groups = k / kGroup;
   // grain: enough rows per task that a task reads a few tens of KB of weights
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_bytes));
@@ -317,8 +331,8 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
   check(qweight, scales, mins, bits, k);
   auto out = at::empty({n, k}, qweight.options().dtype(at::kFloat));
   const uint8_t* qp = static_cast<const uint8_t*>(qweight.data_ptr());
-  const float* sp = scales.data_ptr<float>();
-  const float* mp = mins.defined() && mins.numel() ? mins.data_ptr<float>() : nullptr;
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  const at::Half* mp = mins.defined() && mins.numel() ? mins.data_ptr<at::Half>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = qweight.size(1), groups = k / kGroup;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {

@@ -23,7 +23,7 @@ _Q4_0, _Q4_1, _Q8_0 = 18, 20, 34
 
 
 def _fp16(blocks: np.ndarray, start: int) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0].astype(np.float32))
+    return torch.from_numpy(np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0].copy())
 
 
 def _repack(kind: str, data: np.ndarray, rows: int) -> QuantizedWeight:

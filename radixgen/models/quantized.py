@@ -1,7 +1,8 @@
 """Weight-only quantized linears and embeddings (4-bit and 8-bit, groups of 32 along the input).
 
 A weight is three arrays: ``qweight`` (uint8 nibble pairs for 4 bits, int8 for 8), ``scales``
-and ``mins`` [out, in / 32] in float32, with w = q * scale + min (8-bit: no min). GGUF's Q4_1,
+and ``mins`` [out, in / 32] in float16 (as GGUF stores them: in float32 they were a sixth more
+bytes for a decode step to read), with w = q * scale + min (8-bit: no min). GGUF's Q4_1,
 Q4_0 (min = -8 * scale) and Q8_0 blocks map onto this exactly, so a GGUF file is repacked, not
 dequantized (``gguf_weights.py``); float checkpoints are quantized here (``quantize``).
 
@@ -36,6 +37,12 @@ class QuantizedWeight:
     """Empty for 8 bits."""
     bits: int
 
+    def __post_init__(self) -> None:
+        # float16 holds every GGUF scale exactly; caches written with float32 scales load too
+        self.scales = self.scales.to(torch.float16)
+        if self.mins.numel():
+            self.mins = self.mins.to(torch.float16)
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.qweight.shape[0], self.qweight.shape[1] * 8 // self.bits
@@ -55,9 +62,9 @@ class QuantizedWeight:
             q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
         else:
             q = self.qweight.view(out, groups, GROUP).float()
-        w = q * self.scales[..., None]
+        w = q * self.scales.float()[..., None]
         if self.mins.numel():
-            w = w + self.mins[..., None]
+            w = w + self.mins.float()[..., None]
         return w.view(out, in_features).to(dtype)
 
     def nbytes(self) -> int:
@@ -85,14 +92,15 @@ def quantize(weight: torch.Tensor, bits: int) -> QuantizedWeight:
     if in_features % GROUP:
         raise ValueError(f"cannot quantize a weight of {in_features} inputs: not a multiple of {GROUP}")
     groups = weight.float().view(out, in_features // GROUP, GROUP)
+    # the integers are rounded against the float16 scale and minimum that are stored
     if bits == 8:
-        scales = groups.abs().amax(-1) / 127
+        scales = (groups.abs().amax(-1) / 127).half().float()
         q = torch.round(groups / scales.clamp_min(1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
         return QuantizedWeight(q.view(out, in_features), scales.contiguous(), torch.empty(0), 8)
     if bits != 4:
         raise ValueError(f"bits must be 4 or 8, got {bits}")
-    low, high = groups.amin(-1), groups.amax(-1)
-    scales = (high - low) / 15
+    low, high = groups.amin(-1).half().float(), groups.amax(-1)
+    scales = ((high - low) / 15).half().float()
     q = torch.round((groups - low[..., None]) / scales.clamp_min(1e-30)[..., None]).clamp(0, 15).to(torch.uint8)
     packed = q[..., : GROUP // 2] | (q[..., GROUP // 2 :] << 4)
     return QuantizedWeight(packed.reshape(out, in_features // 2).contiguous(), scales.contiguous(),
