@@ -1,7 +1,7 @@
 // Weight-only quantized linears on CPU: y = x @ dequant(W).T with W stored as 4-bit or 8-bit
 // integers in groups of 32 along the input dimension, each group with a float16 scale and (4-bit)
-// a float16 minimum: w = q * scale + min (float16 as in the GGUF blocks: the scales and minimums
-// are a fifth of a 4-bit weight's bytes, and the decode step is bound by the bytes it reads). This is GGUF's Q4_1 (Q4_0 is min = -8 * scale) and Q8_0
+// a float16 minimum: w = q * scale + min (float16 as the GGUF blocks hold them: a 4-bit group is
+// 20 bytes, 24 with float32). This is GGUF's Q4_1 (Q4_0 is min = -8 * scale) and Q8_0
 // (signed q, no min), repacked at load into three arrays. A 4-bit group's 16 bytes hold element
 // j in the low nibble of byte j and element j + 16 in its high nibble, as in the GGUF blocks.
 //
@@ -9,10 +9,11 @@
 // token and group: each value within 2^-16 of its group's largest, where bf16 rounds to 2^-9 of
 // the value itself); each group of weights is then widened to 16-bit lanes once and multiplied
 // with up to four tokens by integer multiply-adds, summed exactly, and scaled once per group.
-// W streams at 0.625 (4-bit) or 1.0625 (8-bit) bytes per weight, scales and minimums included, against 2 for bf16 and 4 for
-// fp32, and no float copy of it is made at any batch size. This replaced a kernel that decoded
-// the weights to floats in registers: the integer one does half the instructions per weight
-// (madd_epi16 multiplies 16 pairs, an FMA 8) and no int-to-float conversion of weights.
+// W streams at 0.625 (4-bit) or 1.0625 (8-bit) bytes per weight, scales and minimums included,
+// against 2 for bf16 and 4 for fp32, and no float copy of it is made at any batch size. This
+// replaced a kernel that decoded the weights to floats in registers: the integer one does half
+// the instructions per weight (madd_epi16 multiplies 16 pairs, an FMA 8) and no int-to-float
+// conversion of weights.
 // Without AVX2 a row is decoded into a float buffer and dotted with each token.
 // quant_dequantize gives the float weight (tests, and callers without the native ops).
 #include <ATen/ATen.h>

@@ -1,8 +1,8 @@
 """Weight-only quantized linears and embeddings (4-bit and 8-bit, groups of 32 along the input).
 
 A weight is three arrays: ``qweight`` (uint8 nibble pairs for 4 bits, int8 for 8), ``scales``
-and ``mins`` [out, in / 32] in float16 (as GGUF stores them: in float32 they were a sixth more
-bytes for a decode step to read), with w = q * scale + min (8-bit: no min). GGUF's Q4_1,
+and ``mins`` [out, in / 32] in float16 (as GGUF stores them: with float32 a 4-bit group took
+a fifth more bytes), with w = q * scale + min (8-bit: no min). GGUF's Q4_1,
 Q4_0 (min = -8 * scale) and Q8_0 blocks map onto this exactly, so a GGUF file is repacked, not
 dequantized (``gguf_weights.py``); float checkpoints are quantized here (``quantize``).
 
