@@ -46,7 +46,7 @@ inline void half_to_float(const at::Half* __restrict src, int64_t n, float* __re
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
 #endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  for (; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
 // One output row's weights as floats: out[K] = q * scale + min (one rounding where the compiler
@@ -59,7 +59,7 @@ inline void decode_row(const uint8_t* __restrict q, const at::Half* __restrict s
   if (bits == 4) {
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* __restrict b = q + g * (kGroup / 2);
-      const float d = static_cast<float>(scales[g]), m = mins ? static_cast<float>(mins[g]) : 0.f;
+      const float d = to_float(scales[g]), m = mins ? to_float(mins[g]) : 0.f;
       float* __restrict o = out + g * kGroup;
 #ifdef __AVX2__
       // GCC's own vectorisation of the nibble loops ran ~10x slower than these eight ops
@@ -79,7 +79,7 @@ inline void decode_row(const uint8_t* __restrict q, const at::Half* __restrict s
   } else {
     const int8_t* __restrict s = reinterpret_cast<const int8_t*>(q);
     for (int64_t g = 0; g < groups; ++g) {
-      const float d = static_cast<float>(scales[g]);
+      const float d = to_float(scales[g]);
       for (int64_t j = 0; j < kGroup; ++j) out[g * kGroup + j] = static_cast<float>(s[g * kGroup + j]) * d;
     }
   }
