@@ -4,8 +4,8 @@ Two tables in one run:
 - per layer (SmolLM2's shape: 9 query heads, 3 kv heads, head size 64), on a pool whose slots
   are scattered the way the allocator scatters them under load, K/V of 8 layers so reads come
   from memory, not cache;
-- a whole decode step of the real model through ``Engine`` (attention_backend ``sdpa`` vs
-  ``auto``, radix cache off): (time of 72 new tokens - time of 8) / 64 steps.
+- a whole decode step of the real model through ``Engine`` (attention_backend ``torch`` vs
+  ``cpu``, radix cache off): (time of 72 new tokens - time of 8) / 64 steps.
 
     python benchmarks/bench_decode_attention.py [--dtypes float32,bfloat16] [--skip-engine]
 """
@@ -23,9 +23,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, prompts_of_lengths, write_json  # noqa: E402
 from radixgen import Engine, EngineConfig, SamplingParams  # noqa: E402
-from radixgen.engine.batch import StepKind, StepPlan, build_attention_plan  # noqa: E402
+from radixgen.engine.batch import StepKind, StepPlan  # noqa: E402
 from radixgen.kernels import decode_attention_op  # noqa: E402
-from radixgen.models.attention import LayerAttention, paged_attention  # noqa: E402
+from radixgen.models.attention import LayerAttention  # noqa: E402
+from radixgen.models.attention.base import write_kv  # noqa: E402
+from radixgen.models.attention.cpu import attend_pool, build_attention_plan  # noqa: E402
 
 SHAPES = [(1, 100), (24, 800), (64, 300)]  # (requests, context length)
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 8
@@ -52,11 +54,12 @@ def per_layer(dtype: torch.dtype, batch: int, length: int) -> dict[str, Any]:
     for name, kernel in (("sdpa_ms", None), ("kernel_ms", decode_attention_op())):
         if name == "kernel_ms" and kernel is None:
             continue
-        attn = build_attention_plan(plan, req_to_token, torch.device("cpu"), dtype, kernel)
+        attn = build_attention_plan(plan.attention_batch(), req_to_token, torch.device("cpu"), dtype, kernel)
 
         def run(attn: Any = attn) -> None:
             for layer in range(LAYERS):
-                paged_attention(q, new_k, new_v, k[layer], v[layer], attn, shape)
+                write_kv(new_k, new_v, k[layer], v[layer], attn.out_cache_loc)
+                attend_pool(q, k[layer], v[layer], attn, shape, new_k, new_v)
 
         run()
         start = time.perf_counter()
@@ -78,7 +81,7 @@ def _generate_s(engine: Engine, prompts: list[list[int]], new_tokens: int) -> fl
 
 def engine_steps(dtype: str) -> list[dict[str, Any]]:
     rows: dict[tuple[int, int], dict[str, Any]] = {}
-    for backend in ("sdpa", "auto"):
+    for backend in ("torch", "cpu"):
         engine = Engine(EngineConfig(dtype=dtype, attention_backend=backend, disable_radix_cache=True))  # type: ignore[arg-type]
         for batch, length in SHAPES:
             prompts = prompts_of_lengths(engine.tokenizer, [length] * batch, seed=1)
@@ -86,7 +89,7 @@ def engine_steps(dtype: str) -> list[dict[str, Any]]:
 
             step_ms = (_generate_s(engine, prompts, 72) - _generate_s(engine, prompts, 8)) / 64 * 1e3
             row = rows.setdefault((batch, length), {"dtype": dtype, "batch": batch, "context": length})
-            row["sdpa_step_ms" if backend == "sdpa" else "kernel_step_ms"] = step_ms
+            row["sdpa_step_ms" if backend == "torch" else "kernel_step_ms"] = step_ms
         engine.shutdown()
     for row in rows.values():
         if "kernel_step_ms" in row:

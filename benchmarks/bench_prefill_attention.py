@@ -20,9 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_json  # noqa: E402
-from radixgen.engine.batch import StepKind, StepPlan, build_attention_plan  # noqa: E402
+from radixgen.engine.batch import StepKind, StepPlan  # noqa: E402
 from radixgen.kernels import cpu_kernels  # noqa: E402
-from radixgen.models.attention import LayerAttention, attend_pool  # noqa: E402
+from radixgen.models.attention import LayerAttention  # noqa: E402
+from radixgen.models.attention.cpu import attend_pool, build_attention_plan  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 # (name, requests, cached prefix, new tokens each)
@@ -65,8 +66,8 @@ def main() -> None:
     for name, requests, prefix, extend in CASES:
         plan, req_to_token, q, k, v = _case(requests, prefix, extend)
         paths = {
-            "sdpa_ms": build_attention_plan(plan, req_to_token, torch.device("cpu"), torch.bfloat16),
-            "kernel_ms": build_attention_plan(plan, req_to_token, torch.device("cpu"), torch.bfloat16,
+            "sdpa_ms": build_attention_plan(plan.attention_batch(), req_to_token, torch.device("cpu"), torch.bfloat16),
+            "kernel_ms": build_attention_plan(plan.attention_batch(), req_to_token, torch.device("cpu"), torch.bfloat16,
                                               prefill_kernel=kernels.prefill_attention),
         }
         times: dict[str, list[float]] = {key: [] for key in paths}

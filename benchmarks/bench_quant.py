@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, prompts_of_lengths, write_json  # noqa: E402
-from radixgen.models.loader import cache_dir  # noqa: E402
+from radixgen.paths import cache_dir  # noqa: E402
 
 PEERS = Path(os.environ.get("RADIXGEN_PEERS", cache_dir() / "peers"))
 

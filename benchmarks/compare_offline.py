@@ -41,7 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, prompts_of_lengths, write_json  # noqa: E402
-from radixgen.models.loader import cache_dir, resolve_model_dir  # noqa: E402
+from radixgen.models.loader import resolve_model_dir  # noqa: E402
+from radixgen.paths import cache_dir  # noqa: E402
 
 PEERS = Path(os.environ.get("RADIXGEN_PEERS", cache_dir() / "peers"))
 CASES = ("plain-64", "shared-system-64", "long-prefill", "single")

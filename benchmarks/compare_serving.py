@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from radixgen.api.launch import ChildServer, free_port, launch_server  # noqa: E402
 from radixgen.bench.cli import COLUMNS, print_table  # noqa: E402
 from radixgen.bench.serving import ServingReport, plot, run_preset  # noqa: E402
-from radixgen.models.loader import cache_dir, default_gguf_path, resolve_model_dir  # noqa: E402
+from radixgen.models.loader import default_gguf_path, resolve_model_dir  # noqa: E402
+from radixgen.paths import cache_dir  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PEERS = Path(os.environ.get("RADIXGEN_PEERS", cache_dir() / "peers"))

@@ -6,18 +6,41 @@ slots, thread count actually used) are kept by the part that discovers them, nev
 
 from __future__ import annotations
 
+import re
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from radixgen.tool_formats import DEFAULT_CALL_THRESHOLD
 
-DType = Literal["float32", "bfloat16", "float16"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulePolicy = Literal["fcfs", "lpm"]
 Routing = Literal["prefix-affinity", "round-robin"]
-AttentionBackend = Literal["auto", "sdpa"]
+AttentionBackend = Literal["auto", "cpu", "torch", "triton"]
+GrammarBackend = Literal["auto", "xgrammar", "llguidance", "outlines"]
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 Weights = Literal["auto", "float", "int8", "int4"]
 RepeatedItems = Literal["unique", "all", "off"]
 Speculative = Literal["off", "ngram"]
+
+
+def check_choices(config: object) -> None:
+    """Refuse a value outside a field's fixed set of choices (a ``Literal`` annotation), naming
+    the field, the value and the choices: a typo must not fall back to some default path."""
+    hints = typing.get_type_hints(type(config))
+    for f in fields(config):  # type: ignore[arg-type]
+        annotation = hints[f.name]
+        allowed: tuple[object, ...] = ()
+        if typing.get_origin(annotation) is Literal:
+            allowed = typing.get_args(annotation)
+        elif typing.get_origin(annotation) is typing.Union:  # Literal[...] | None
+            for arg in typing.get_args(annotation):
+                if typing.get_origin(arg) is Literal:
+                    allowed = (*typing.get_args(arg), None)
+        value = getattr(config, f.name)
+        if allowed and value not in allowed:
+            choices = ", ".join(repr(a) for a in allowed)
+            raise ValueError(f"{f.name} must be one of {choices}; got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -26,20 +49,26 @@ class EngineConfig:
 
     model: str | None = None
     """HF folder (config.json + safetensors), a .gguf file, or None for bundled SmolLM2-135M."""
-    dtype: DType = "float32"
-    """float32 is exact against transformers; bfloat16 is the fast option on AVX-512 BF16 CPUs."""
+    dtype: DType = "auto"
+    """auto: float32 on CPU, bfloat16 on CUDA (``model_dtype``). float32 is exact against
+    transformers; bfloat16 is the fast option on AVX-512 BF16 CPUs and on GPUs."""
     weights: Weights = "auto"
-    """How the linear weights are held. auto: a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks as they
-    are (4 or 8 bits, repacked, never dequantized), any other checkpoint in ``dtype``. float:
+    """How the linear weights are held. auto: on CPU a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks as
+    they are (4 or 8 bits, repacked, never dequantized), on CUDA dequantized to ``dtype`` at load
+    (no GPU kernel runs the blocks yet), any other checkpoint in ``dtype``. float:
     everything in ``dtype``. int8 / int4: weight-only quantized in groups of 32 (a float
     checkpoint is quantized at load). Activations stay in ``dtype``."""
     device: str = "cpu"
+    """cpu, cuda or cuda:N."""
     num_threads: int | None = None
     """torch compute threads; None means the cores this process may run on."""
     attention_backend: AttentionBackend = "auto"
-    """auto: decode on CPU reads K/V straight from the pool with radixgen's C++ kernel (built
-    once per machine with the system compiler, under half a minute, cached under $RADIXGEN_CACHE/kernels);
-    gather + SDPA where it cannot be built and on other devices. sdpa: always gather + SDPA."""
+    """cpu: radixgen's C++ decode, prefill and shared-prefix kernels over the pool (built once
+    per machine with the system compiler, under half a minute, cached under
+    $RADIXGEN_CACHE/kernels), SDPA where they cannot be built. torch: request by request on
+    PyTorch ops (the reference; any device). triton: Triton decode and extend kernels reading
+    the pool in place (CUDA; on a CPU only under Triton's interpreter, for tests). auto: cpu on
+    CPU, triton on CUDA (models/attention/)."""
     small_linear_max_tokens: int = 2
     """CPU: steps with at most this many tokens (batch-1 and batch-2 decode) run the linear
     layers as matrix-vector products over a plain copy of each weight kept beside oneDNN's
@@ -53,7 +82,13 @@ class EngineConfig:
     """Cap on prompt + output tokens per request; None means the model's own limit."""
     kv_cache_tokens: int | None = None
     """KV pool size in tokens; None derives it from kv_cache_gb."""
-    kv_cache_gb: float = 2.0
+    kv_cache_gb: float | None = None
+    """KV pool size in GiB; None: 2 on CPU, on CUDA ``mem_fraction`` of the device memory free
+    after the weights are loaded."""
+    mem_fraction: float = 0.85
+    """CUDA: the share of the device memory free after loading the weights that the KV pool
+    takes when neither kv_cache_tokens nor kv_cache_gb is given (the rest is left for the
+    step's activations and logits)."""
     max_running_requests: int = 128
     max_prefill_tokens: int = 4096
     """Token budget of one prefill step."""
@@ -72,7 +107,7 @@ class EngineConfig:
     schedule_policy: SchedulePolicy = "lpm"
     """lpm: longest cached prefix first (fcfs when the queue is long); fcfs: arrival order."""
     disable_radix_cache: bool = False
-    grammar_backend: str = "auto"
+    grammar_backend: GrammarBackend = "auto"
     """Constraint compiler: auto (xgrammar for regexes and the JSON Schema subset real APIs use,
     llguidance for the rest; measured in constraints/auto_backend.py), xgrammar or llguidance."""
     json_open_objects: bool = False
@@ -121,12 +156,31 @@ class EngineConfig:
     event_log: str | None = None
     """Path of a JSON-lines log with one record per scheduler step (off when None)."""
 
-    log_level: str = "info"
+    log_level: LogLevel = "info"
 
     def __post_init__(self) -> None:
+        check_choices(self)
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N; got {self.device!r}")
+        if not 0.0 < self.mem_fraction < 1.0:
+            raise ValueError(f"mem_fraction must be between 0 and 1, got {self.mem_fraction}")
+        if self.device != "cpu" and self.weights in ("int8", "int4"):
+            raise ValueError(f"weights {self.weights!r} runs on the CPU only for now; on {self.device} use "
+                             "weights 'auto' or 'float' (GGUF blocks are dequantized to dtype at load)")
         for name in ("max_prefill_tokens", "max_mixed_prefill_tokens", "max_running_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    @property
+    def model_dtype(self) -> str:
+        """``dtype`` with ``auto`` resolved for the device."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
 
     @classmethod
     def field_names(cls) -> list[str]:

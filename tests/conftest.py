@@ -14,11 +14,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
-from radixgen import Engine, EngineConfig
-from radixgen.engine import kv_pool
+# Without a GPU the triton attention backend's kernels run in Triton's interpreter, which must be
+# on before anything imports triton.language (xgrammar may).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from radixgen import Engine, EngineConfig  # noqa: E402
+from radixgen.engine import kv_pool  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -40,6 +46,15 @@ torch.set_num_threads(min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_
 kv_pool.UNWRITTEN_FILL = float("nan")
 
 _live_engines: list[Engine] = []
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

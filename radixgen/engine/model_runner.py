@@ -10,10 +10,11 @@ import numpy as np
 import torch
 
 from radixgen.config import AttentionBackend, EngineConfig
-from radixgen.engine.batch import StepPlan, build_attention_plan
+from radixgen.engine.batch import StepPlan
 from radixgen.engine.kv_pool import KVPool
 from radixgen.kernels import CpuKernels, cpu_kernels
 from radixgen.models import CausalLM, LoadedModel, load_model, torch_dtype
+from radixgen.models.attention import create_backend
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,20 @@ def set_compute_threads(num_threads: int | None) -> int:
     return threads
 
 
+CPU_KV_CACHE_GB = 2.0
+
+
+def kv_cache_bytes(config: EngineConfig) -> int:
+    """The KV pool's size in bytes: ``kv_cache_gb``, else 2 GiB on CPU and on CUDA
+    ``mem_fraction`` of the device memory free now (after the weights)."""
+    if config.kv_cache_gb is not None:
+        return int(config.kv_cache_gb * 2**30)
+    if not config.is_cuda:
+        return int(CPU_KV_CACHE_GB * 2**30)
+    free, _ = torch.cuda.mem_get_info(torch.device(config.device))
+    return int(free * config.mem_fraction)
+
+
 class ModelRunner:
     def __init__(
         self, model: CausalLM, pool: KVPool, device: torch.device,
@@ -81,12 +96,11 @@ class ModelRunner:
             kernels = cpu_kernels()
             if kernels is not None:
                 self.kernels = dataclasses.replace(kernels, small_linear_max_tokens=small_linear_max_tokens)
-        native = self.kernels if attention_backend == "auto" else None
-        self.decode_kernel = native.decode_attention if native else None
-        self.prefill_kernel = native.prefill_attention_for(pool.k.dtype) if native else None
-        self.shared_prefix_kernel = (
-            native.shared_prefix_attention_for(pool.k.dtype, pool.k.shape[-1]) if native else None
+        self.attention = create_backend(
+            attention_backend, req_to_token=pool.req_to_token, dtype=pool.k.dtype, head_dim=pool.k.shape[-1],
+            kernels=self.kernels,
         )
+        logger.info("attention backend: %s", self.attention.name)
         if small_linear_max_tokens <= 0:
             model.drop_plain_weights()
 
@@ -95,12 +109,15 @@ class ModelRunner:
         set_compute_threads(config.num_threads)
         if config.device == "cpu":
             keep_freed_memory_for_reuse()
-        loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device, weights=config.weights)
+        else:  # kernels launch on the current device: cuda:N must be it
+            torch.cuda.set_device(torch.device(config.device))
+        loaded = loaded or load_model(config.model, dtype=config.model_dtype, device=config.device,
+                                      weights=config.weights)
         cfg = loaded.config
-        dtype = torch_dtype(config.dtype)
+        dtype = torch_dtype(config.model_dtype)
         max_context = min(config.max_context_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
-        num_slots = config.kv_cache_tokens or int(config.kv_cache_gb * 2**30 // per_token)
+        num_slots = config.kv_cache_tokens or int(kv_cache_bytes(config) // per_token)
         pool = KVPool(
             num_slots=num_slots, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, dtype=dtype, device=config.device,
@@ -117,10 +134,7 @@ class ModelRunner:
         then, per request with forced tokens to verify, the positions just before each of them;
         then the S prompt positions of ``plan.prompt_scoring``."""
         device = self.device
-        attn = build_attention_plan(
-            plan, self.pool.req_to_token, device, self.pool.k.dtype, self.decode_kernel,
-            prefill_kernel=self.prefill_kernel, shared_prefix_kernel=self.shared_prefix_kernel,
-        )
+        metadata = self.attention.prepare(plan.attention_batch())
         input_ids = torch.from_numpy(plan.input_ids).to(device)
         positions = torch.from_numpy(plan.positions).to(device)
         last = np.cumsum(plan.extend_lens) - 1
@@ -130,7 +144,8 @@ class ModelRunner:
         if plan.prompt_scoring is not None:
             last = np.concatenate([last, plan.prompt_scoring.token_index])
         logits_index = torch.from_numpy(last).to(device)
-        return self.model(input_ids, positions, attn, self.pool.k, self.pool.v, logits_index, self.kernels)
+        return self.model(input_ids, positions, self.attention, metadata, self.pool.k, self.pool.v, logits_index,
+                          self.kernels)
 
 
 def split_prompt_scores(plan: StepPlan, logits: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:

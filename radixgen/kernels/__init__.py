@@ -50,7 +50,7 @@ def _build_dir() -> Path:
     .cpp files it is given but not the header they share."""
     import hashlib
 
-    from radixgen.models.loader import cache_dir
+    from radixgen.paths import cache_dir
 
     digest = hashlib.sha256()
     for path in _SOURCES:

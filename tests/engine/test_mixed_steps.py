@@ -80,10 +80,10 @@ def test_mixed_steps_give_the_tokens_of_separate_steps(make_engine: Callable[...
     assert sep_stats.num_prefill_steps + sep_stats.num_decode_steps == sep_stats.num_steps
 
 
-def test_mixed_steps_with_the_gather_path(make_engine: Callable[..., Any]) -> None:
-    """The decode rows of a mixed step take gather + SDPA where the native kernel is off."""
-    mixed = make_engine(attention_backend="sdpa", chunked_prefill_size=64, max_prefill_tokens=64)
-    assert mixed.runner.decode_kernel is None
+def test_mixed_steps_with_the_reference_attention(make_engine: Callable[..., Any]) -> None:
+    """The decode rows of a mixed step take the reference backend's per-request SDPA."""
+    mixed = make_engine(attention_backend="torch", chunked_prefill_size=64, max_prefill_tokens=64)
+    assert mixed.runner.attention.name == "torch"
     first = mixed.tokenize("Decoding alongside a long prompt, without the native kernel.")
     late = [list(range(3000, 3200))]
     got = _run_staggered(mixed, first, late)

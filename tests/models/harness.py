@@ -2,41 +2,42 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
-from radixgen.engine.batch import StepKind, StepPlan, build_attention_plan
+from radixgen.engine.batch import StepKind, StepPlan
 from radixgen.engine.kv_pool import KVPool
 from radixgen.kernels import CpuKernels, cpu_kernels
 from radixgen.models import CausalLM
+from radixgen.models.attention import AttentionBackend, create_backend
+from radixgen.models.attention.cpu import CpuAttention
 
 
 class PoolHarness:
     def __init__(
         self, model: CausalLM, num_slots: int = 4096, max_rows: int = 8, max_context_len: int = 1024,
-        decode_kernel: Callable[..., torch.Tensor] | None = None, kernels: CpuKernels | None = None,
-        padded_prefill: bool = False, prefill_kernel: Callable[..., torch.Tensor] | None = None,
-        shared_prefix_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+        kernels: CpuKernels | None = None, attention: str | None = None, attention_kernels: CpuKernels | None = None,
+        padded_prefill: bool = False, device: str = "cpu",
     ) -> None:
-        """``kernels``: the native ops the forward uses (None: PyTorch ops only); decode attention
-        uses ``decode_kernel`` either way, as in the engine's attention_backend.
-        ``padded_prefill``: the one-masked-call prefill attention other devices use.
-        ``prefill_kernel``: the pool-reading prefill attention kernel; ``shared_prefix_kernel``:
-        decode rows' shared prefixes attended once per group."""
-        self.padded_prefill = padded_prefill
+        """``kernels``: the native ops the forward uses (None: PyTorch ops only).
+        ``attention``: an attention backend by name (``create_backend``); None: the ``cpu``
+        backend with ``attention_kernels``' attention kernels (None: its SDPA paths alone),
+        ``padded_prefill`` choosing its one-masked-call prefill."""
         cfg = model.config
         self.model = model
-        self.decode_kernel = decode_kernel
-        self.prefill_kernel = prefill_kernel
-        self.shared_prefix_kernel = shared_prefix_kernel
         self.kernels = kernels
         self.pool = KVPool(
             num_slots=num_slots, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim, dtype=model.embed.dtype, device="cpu", max_rows=max_rows,
+            head_dim=cfg.head_dim, dtype=model.embed.dtype, device=device, max_rows=max_rows,
             max_context_len=max_context_len,
         )
+        self.attention: AttentionBackend
+        if attention is None:
+            self.attention = CpuAttention(self.pool.req_to_token, self.pool.k.dtype, cfg.head_dim, attention_kernels,
+                                          padded_prefill=padded_prefill)
+        else:
+            self.attention = create_backend(attention, req_to_token=self.pool.req_to_token, dtype=self.pool.k.dtype,
+                                            head_dim=cfg.head_dim, kernels=attention_kernels)
         self.lengths = [0] * max_rows
 
     def extend(self, batch: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
@@ -57,23 +58,23 @@ class PoolHarness:
         )
         for r, n in zip(rows, extend, strict=True):
             self.lengths[r] += int(n)
-        attn = build_attention_plan(
-            plan, self.pool.req_to_token, torch.device("cpu"), self.pool.k.dtype, self.decode_kernel,
-            per_request_prefill=not self.padded_prefill, prefill_kernel=self.prefill_kernel,
-            shared_prefix_kernel=self.shared_prefix_kernel,
-        )
-        all_rows = torch.arange(plan.num_tokens)
+        metadata = self.attention.prepare(plan.attention_batch())
+        device = self.pool.k.device
+        all_rows = torch.arange(plan.num_tokens, device=device)
         logits = self.model(
-            torch.from_numpy(plan.input_ids), torch.from_numpy(positions), attn, self.pool.k, self.pool.v, all_rows,
-            self.kernels,
+            torch.from_numpy(plan.input_ids).to(device), torch.from_numpy(positions).to(device), self.attention,
+            metadata, self.pool.k, self.pool.v, all_rows, self.kernels,
         )
-        return list(logits.split(extend.tolist()))
+        return list(logits.cpu().split(extend.tolist()))
 
 
-PATHS = ["torch", "torch-padded", "native", "native-sdpa"]
-"""torch: PyTorch ops alone (gather + SDPA decode, per-request prefill); torch-padded: the same
-with prefill padded under one mask (the path on other devices); native: every CPU kernel the
-engine would use, its default (the prefill-attention kernel in bfloat16 where it is native); native-sdpa: the fused layer ops with gather + SDPA decode (attention_backend=sdpa)."""
+PATHS = ["torch", "torch-padded", "native", "native-sdpa", "reference", "triton"]
+"""torch: PyTorch ops alone (the cpu backend's gather + SDPA decode, per-request prefill);
+torch-padded: the same with prefill padded under one mask; native: every CPU kernel the engine
+would use, its default (the prefill-attention kernel in bfloat16 where it is native);
+native-sdpa: the fused layer ops with the cpu backend's SDPA paths; reference: PyTorch ops with
+the ``torch`` attention backend; triton: PyTorch ops with the ``triton`` backend (interpreted on
+a CPU)."""
 
 
 def harness_for(model: CausalLM, path: str) -> PoolHarness:
@@ -83,13 +84,13 @@ def harness_for(model: CausalLM, path: str) -> PoolHarness:
 
     if path.startswith("torch"):
         return PoolHarness(model, padded_prefill=path == "torch-padded")
+    if path == "reference":
+        return PoolHarness(model, attention="torch")
+    if path == "triton":
+        return PoolHarness(model, attention="triton")
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("the CPU kernels do not build here")
     if path == "native":
-        return PoolHarness(
-            model, decode_kernel=kernels.decode_attention, kernels=kernels,
-            prefill_kernel=kernels.prefill_attention_for(model.embed.dtype),
-            shared_prefix_kernel=kernels.shared_prefix_attention_for(model.embed.dtype, model.config.head_dim),
-        )
+        return PoolHarness(model, kernels=kernels, attention_kernels=kernels)
     return PoolHarness(model, kernels=kernels)

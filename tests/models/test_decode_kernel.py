@@ -211,7 +211,7 @@ def test_shared_prefix_arguments_are_checked() -> None:
 def test_rows_are_grouped_by_the_slots_they_share() -> None:
     import numpy as np
 
-    from radixgen.engine.batch import MIN_SHARED_PREFIX, shared_prefixes
+    from radixgen.models.attention.cpu import MIN_SHARED_PREFIX, shared_prefixes
 
     n = MIN_SHARED_PREFIX
     table = torch.zeros(6, 400, dtype=torch.long)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from radixgen.models import ModelConfig, build_model
+from radixgen.models.attention.cpu import CpuAttention
 from tests.conftest import make_tiny_hf_model
 from tests.models.harness import PATHS, harness_for
 
@@ -122,11 +123,13 @@ def test_decode_rows_sharing_a_cached_prefix_attend_it_once_and_match_transforme
     hf = make_tiny_hf_model("llama", seed=4, head_dim=64)
     ours = build_model(ModelConfig.from_hf(hf.config), hf.state_dict(), dtype=torch.bfloat16)
     harness = harness_for(ours, "native")
-    if harness.shared_prefix_kernel is None:
+    attention = harness.attention
+    assert isinstance(attention, CpuAttention)
+    if attention.shared_prefix_kernel is None:
         pytest.skip("shared-prefix attention needs bf16 dot products (AVX-512 BF16)")
     calls = []
-    kernel = harness.shared_prefix_kernel
-    harness.shared_prefix_kernel = lambda *args: calls.append(args[5].clone()) or kernel(*args)
+    kernel = attention.shared_prefix_kernel
+    attention.shared_prefix_kernel = lambda *args: calls.append(args[5].clone()) or kernel(*args)
     prefix = _prompt(5, 150)
     (_,) = harness.extend([(0, prefix)])
     for row in (1, 2, 3):  # share row 0's prefix slots

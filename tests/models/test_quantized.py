@@ -135,7 +135,7 @@ def test_a_quantized_gguf_runs_quantized_and_equals_its_dequantized_float_copy(
     assert quantized.model.decoder_layers()[0].mlp.gate_up.bits == (8 if kind == "Q8_0" else 4)
     dequantized = load_model(path, weights="float").model
     ids = list(range(7, 67))
-    outs = [PoolHarness(m, kernels=kernels, decode_kernel=kernels.decode_attention if kernels else None).extend(
+    outs = [PoolHarness(m, kernels=kernels, attention_kernels=kernels).extend(
         [(0, ids)])[0] for m in (quantized.model, dequantized)]
     torch.testing.assert_close(outs[0], outs[1], atol=1e-3, rtol=0)
     # the converted folder stays a checkpoint other tools load: vLLM takes every top-level *.safetensors
@@ -179,7 +179,7 @@ def test_the_bundled_model_runs_as_int4_close_to_its_dequantized_float_copy(toke
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                              tokenize=False)
         ids = tokenizer.encode(text, add_special_tokens=False)
-        got, want = (PoolHarness(m.model, kernels=kernels, decode_kernel=kernels.decode_attention if kernels else None)
+        got, want = (PoolHarness(m.model, kernels=kernels, attention_kernels=kernels)
                      .extend([(0, ids)])[0] for m in (quantized, dequantized))
         torch.testing.assert_close(got, want, atol=5e-2, rtol=0)
     del dequantized

@@ -1,4 +1,5 @@
-"""Attention over a token-level KV pool.
+"""The ``cpu`` attention backend: radixgen's native kernels where they are built, PyTorch's
+SDPA around them.
 
 Every layer receives the same ``AttentionPlan`` for the step: which pool slots the new tokens'
 K/V go to, and for each request which slots hold its whole sequence. K/V are gathered through
@@ -25,18 +26,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class LayerAttention:
-    """What differs between the attention of layers and families: the q.k scale, a sliding
-    window (keys a query sees, its own included) and tanh soft-capping of the scores."""
-
-    scale: float
-    window: int | None = None
-    softcap: float | None = None
+from radixgen.kernels import CpuKernels
+from radixgen.models.attention.base import (
+    AttentionBackend,
+    AttentionBatch,
+    AttentionMetadata,
+    LayerAttention,
+    write_kv,
+)
 
 
 @dataclass
@@ -71,7 +72,7 @@ class PrefillSpan:
 
 
 @dataclass
-class AttentionPlan:
+class AttentionPlan(AttentionMetadata):
     """Per-step attention inputs shared by all layers (built once per step).
 
     B requests, T new tokens in total, Q = the longest new-token run, L = the longest sequence.
@@ -142,21 +143,6 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool mask -> 0 / -inf in the model's dtype, once per step: SDPA would otherwise convert
     a bool mask again in every layer."""
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
-
-
-def paged_attention(
-    q: torch.Tensor,  # [T, heads, head_dim]
-    k: torch.Tensor,  # [T, kv_heads, head_dim]
-    v: torch.Tensor,  # [T, kv_heads, head_dim]
-    k_cache: torch.Tensor,  # [slots, kv_heads, head_dim] of this layer
-    v_cache: torch.Tensor,
-    plan: AttentionPlan,
-    layer: LayerAttention,
-) -> torch.Tensor:
-    """Write the new K/V into the pool, attend, and return [T, heads * head_dim]."""
-    k_cache[plan.out_cache_loc] = k
-    v_cache[plan.out_cache_loc] = v
-    return attend_pool(q, k_cache, v_cache, plan, layer, k, v)
 
 
 def attend_pool(
@@ -282,3 +268,187 @@ def _attend(
     scores = scores.view(batch, num_kv, group, num_q, -1) + mask.unsqueeze(1)
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(batch, num_kv, group * num_q, -1)
     return torch.matmul(probs, v).view(batch, num_heads, num_q, head_dim)
+
+
+def build_attention_plan(
+    plan: AttentionBatch, req_to_token: torch.Tensor, device: torch.device, dtype: torch.dtype,
+    decode_kernel: Callable[..., torch.Tensor] | None = None, per_request_prefill: bool | None = None,
+    prefill_kernel: Callable[..., torch.Tensor] | None = None,
+    shared_prefix_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+) -> AttentionPlan:
+    """Device tensors for attention, built once per step and shared by every layer.
+    ``decode_kernel``: the pool-reading decode kernel, used for decode steps when given.
+    ``prefill_kernel``: the pool-reading prefill kernel, used for prefill (parts of) steps when given.
+    ``shared_prefix_kernel``: with ``decode_kernel``, attends a prefix several decode rows share
+    once for all of them (see ``shared_prefixes``).
+    ``per_request_prefill``: attend prefill requests one by one (default: on CPU) rather than
+    padded to the longest under one mask (elsewhere one masked call beats a launch per request)."""
+    if per_request_prefill is None:
+        per_request_prefill = device.type == "cpu"
+    if plan.is_draft and decode_kernel is not None:
+        # every token of a speculative step is a query at its own position over K/V already in
+        # the pool: the decode kernel reads them in place, with a decode step's arithmetic
+        return AttentionPlan(
+            torch.from_numpy(plan.out_cache_loc).to(device), None, None, None, None, is_decode=True,
+            decode_kernel=decode_kernel, req_to_token=req_to_token,
+            rows=torch.from_numpy(np.repeat(plan.rows, plan.extend_lens)).to(device),
+            seq_lens=torch.from_numpy(plan.positions + 1).to(device),
+        )
+    if plan.num_decode and plan.num_prefill:
+        head, tail = plan.split_mixed()
+        attn = build_attention_plan(
+            head, req_to_token, device, dtype, decode_kernel, per_request_prefill, prefill_kernel)
+        attn.decode_tail = build_attention_plan(
+            tail, req_to_token, device, dtype, decode_kernel, shared_prefix_kernel=shared_prefix_kernel)
+        attn.num_prefill_tokens = head.num_tokens
+        attn.out_cache_loc = torch.from_numpy(plan.out_cache_loc).to(device)
+        return attn
+    out_cache_loc = torch.from_numpy(plan.out_cache_loc).to(device)
+    batch = plan.batch_size
+    if not plan.is_decode and prefill_kernel is not None:
+        return AttentionPlan(
+            out_cache_loc, None, None, None, None, is_decode=False, prefill_kernel=prefill_kernel,
+            req_to_token=req_to_token, rows=torch.from_numpy(plan.rows).to(device),
+            prefix_lens=torch.from_numpy(plan.prefix_lens).to(device),
+            extend_lens=torch.from_numpy(plan.extend_lens).to(device),
+        )
+    if not plan.is_decode and (per_request_prefill or (batch == 1 and plan.prefix_lens[0] == 0)):
+        spans = _prefill_spans(plan, req_to_token, device, dtype)
+        return AttentionPlan(out_cache_loc, None, None, None, None, is_decode=False, spans=spans)
+
+    if plan.is_decode and decode_kernel is not None:
+        attn = AttentionPlan(
+            out_cache_loc, None, None, None, None, is_decode=True, decode_kernel=decode_kernel,
+            req_to_token=req_to_token, rows=torch.from_numpy(plan.rows).to(device),
+            seq_lens=torch.from_numpy(plan.seq_lens).to(device),
+        )
+        sharing = shared_prefixes(req_to_token, plan.rows, plan.seq_lens) if shared_prefix_kernel is not None else None
+        if sharing is not None:
+            attn.shared_prefix_kernel = shared_prefix_kernel
+            attn.shared_prefix, attn.group_leader = (torch.from_numpy(a).to(device) for a in sharing)
+        return attn
+
+    prefix = torch.from_numpy(plan.prefix_lens).to(device)
+    extend = torch.from_numpy(plan.extend_lens).to(device)
+    seq_lens = prefix + extend
+    max_len = int(plan.seq_lens.max())
+    rows = torch.from_numpy(plan.rows).to(device)
+    kv_indices = req_to_token[rows, :max_len]  # [B, L]
+    key_pos = torch.arange(max_len, device=device)
+
+    if plan.is_decode:
+        visible = (key_pos[None, :] < seq_lens[:, None]).view(batch, 1, 1, max_len)
+        return AttentionPlan(
+            out_cache_loc, kv_indices, additive_mask(visible, dtype), None, None, is_decode=True,
+            query_positions=(seq_lens - 1)[:, None],
+        )
+
+    max_q = int(plan.extend_lens.max())
+    q_pos = torch.arange(max_q, device=device)
+    # key j is visible to new token i of request b iff j <= prefix_b + i (causal) and j < seq_b
+    visible = (key_pos[None, None, :] <= (prefix[:, None, None] + q_pos[None, :, None])) & (
+        key_pos[None, None, :] < seq_lens[:, None, None]
+    )
+    starts = torch.cumsum(extend, 0) - extend
+    query_index = starts[:, None] + torch.minimum(q_pos[None, :], extend[:, None] - 1)  # [B, Q]
+    is_real = q_pos[None, :] < extend[:, None]
+    flat = torch.arange(batch * max_q, device=device).view(batch, max_q)
+    query_unpad = flat[is_real]  # row-major == the flat token order
+    return AttentionPlan(
+        out_cache_loc, kv_indices, additive_mask(visible.unsqueeze(1), dtype), query_index, query_unpad,
+        is_decode=False, query_positions=prefix[:, None] + q_pos[None, :],
+    )
+
+
+MIN_SHARED_PREFIX = 64
+"""Keys decode rows must share for their prefix to be attended once for the group."""
+
+
+def shared_prefixes(
+    req_to_token: torch.Tensor, rows: np.ndarray, seq_lens: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Decode rows whose sequences begin with the same pool slots (a prompt prefix the radix
+    tree shares): (keys each row shares with its group, 0 for none; the batch index of its
+    group's first row), or None when no two rows share ``MIN_SHARED_PREFIX`` keys. Rows are
+    grouped by the slot at key ``MIN_SHARED_PREFIX - 1`` (a slot belongs to one tree path, so
+    rows holding it share everything before it), and a group shares the common run of its rows,
+    short of each row's newest key."""
+    if len(rows) < 2:
+        return None
+    table = req_to_token.numpy()
+    eligible = np.flatnonzero(seq_lens > MIN_SHARED_PREFIX)
+    if len(eligible) < 2:
+        return None
+    marks = table[rows[eligible], MIN_SHARED_PREFIX - 1]
+    order = np.argsort(marks, kind="stable")
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(marks[order])) + 1))
+    ends = np.append(starts[1:], len(order))
+    shared = np.zeros(len(rows), dtype=np.int64)
+    leader = np.arange(len(rows), dtype=np.int64)
+    groups = ends - starts >= 2  # a row alone shares nothing; no Python per such row
+    for start, end in zip(starts[groups].tolist(), ends[groups].tolist(), strict=True):
+        members = eligible[order[start:end]]
+        limit = int(seq_lens[members].min()) - 1
+        block = table[rows[members], :limit]
+        same = (block == block[0]).all(axis=0)
+        length = limit if same.all() else int(np.argmin(same))
+        if length >= MIN_SHARED_PREFIX:
+            members = np.sort(members)
+            shared[members] = length
+            leader[members] = members[0]
+    return (shared, leader) if shared.any() else None
+
+
+def _prefill_spans(
+    plan: AttentionBatch, req_to_token: torch.Tensor, device: torch.device, dtype: torch.dtype,
+) -> list[PrefillSpan]:
+    spans = []
+    start = 0
+    for row, prefix, extend in zip(plan.rows.tolist(), plan.prefix_lens.tolist(), plan.extend_lens.tolist(), strict=True):
+        span = PrefillSpan(start, extend, prefix=prefix)
+        if prefix:
+            seq_len = prefix + extend
+            span.kv_slots = req_to_token[row, :seq_len]
+            # new token i sees keys 0 .. prefix + i
+            key_pos = torch.arange(seq_len, device=device)
+            visible = key_pos[None, :] <= prefix + torch.arange(extend, device=device)[:, None]
+            span.mask = additive_mask(visible.view(1, 1, extend, seq_len), dtype)
+        spans.append(span)
+        start += extend
+    return spans
+
+
+class CpuAttention(AttentionBackend):
+    """The native decode, prefill and shared-prefix kernels where ``kernels`` has them (the
+    prefill kernel only where it is native for the pool's dtype), per-request SDPA prefill and
+    gather + SDPA decode where not. ``padded_prefill``: prefill padded to the longest request
+    under one mask (what one launch on an accelerator would prefer; kept for tests)."""
+
+    name = "cpu"
+
+    def __init__(
+        self, req_to_token: torch.Tensor, dtype: torch.dtype, head_dim: int, kernels: CpuKernels | None,
+        *, padded_prefill: bool = False,
+    ) -> None:
+        self.req_to_token = req_to_token
+        self.device = req_to_token.device
+        self.dtype = dtype
+        self.padded_prefill = padded_prefill
+        self.decode_kernel = kernels.decode_attention if kernels else None
+        self.prefill_kernel = kernels.prefill_attention_for(dtype) if kernels else None
+        self.shared_prefix_kernel = kernels.shared_prefix_attention_for(dtype, head_dim) if kernels else None
+
+    def prepare(self, batch: AttentionBatch) -> AttentionPlan:
+        return build_attention_plan(
+            batch, self.req_to_token, self.device, self.dtype, self.decode_kernel,
+            per_request_prefill=not self.padded_prefill, prefill_kernel=self.prefill_kernel,
+            shared_prefix_kernel=self.shared_prefix_kernel,
+        )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, layer: LayerAttention, metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        assert isinstance(metadata, AttentionPlan), "metadata from another backend"
+        write_kv(k, v, k_cache, v_cache, metadata.out_cache_loc)
+        return attend_pool(q, k_cache, v_cache, metadata, layer, k, v)

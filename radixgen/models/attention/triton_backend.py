@@ -1,0 +1,103 @@
+"""The ``triton`` attention backend: decode and extend kernels over the pool
+(``triton_kernels.py``), one host-to-device copy of the step's index arrays."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from radixgen.models.attention.base import (
+    AttentionBackend,
+    AttentionBatch,
+    AttentionMetadata,
+    LayerAttention,
+    write_kv,
+)
+
+# Keys per split of a decode row: rows with longer sequences are attended in several programs
+# whose partial results are merged (flash-decoding), up to MAX_DECODE_SPLITS.
+DECODE_KEYS_PER_SPLIT = 256
+MAX_DECODE_SPLITS = 16
+
+
+@dataclass
+class TritonMetadata(AttentionMetadata):
+    out_cache_loc: torch.Tensor
+    rows: torch.Tensor
+    """[B] (decode: [T], one entry per query) req_to_token row."""
+    is_decode: bool
+    """Decode kernel: every query is the newest key of its entry (``seq_lens``)."""
+    seq_lens: torch.Tensor | None = None
+    num_splits: int = 1
+    max_seq_len: int = 0
+    prefix_lens: torch.Tensor | None = None
+    extend_lens: torch.Tensor | None = None
+    q_starts: torch.Tensor | None = None
+    max_extend: int = 0
+
+
+def decode_splits(max_seq_len: int, num_entries: int) -> int:
+    """Key ranges per decode row: enough programs to fill the device when the batch alone does not."""
+    splits = min(MAX_DECODE_SPLITS, max(1, -(-max_seq_len // DECODE_KEYS_PER_SPLIT)))
+    return max(1, min(splits, MAX_DECODE_SPLITS * 8 // max(1, num_entries)))
+
+
+class TritonAttention(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, req_to_token: torch.Tensor) -> None:
+        from radixgen.models.attention import triton_kernels
+
+        self.kernels = triton_kernels
+        self.req_to_token = req_to_token
+        self.device = req_to_token.device
+
+    def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """The step's index arrays in one host buffer (pinned on CUDA) and one copy."""
+        sizes = [len(a) for a in arrays]
+        host = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays]))
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return list(host.to(self.device, non_blocking=True).split(sizes))
+
+    def prepare(self, batch: AttentionBatch) -> TritonMetadata:
+        if batch.is_decode or batch.is_draft:
+            # a draft token is a decode query at its own position over keys already in the pool
+            if batch.is_decode:
+                rows, seq_lens = batch.rows, batch.seq_lens
+            else:
+                rows, seq_lens = np.repeat(batch.rows, batch.extend_lens), batch.positions + 1
+            max_seq_len = int(seq_lens.max())
+            out_cache_loc, rows_d, seq_lens_d = self._upload(batch.out_cache_loc, rows, seq_lens)
+            return TritonMetadata(out_cache_loc, rows_d, True, seq_lens=seq_lens_d, max_seq_len=max_seq_len,
+                                  num_splits=decode_splits(max_seq_len, len(rows)))
+        q_starts = np.cumsum(batch.extend_lens) - batch.extend_lens
+        out_cache_loc, rows_d, prefix_d, extend_d, starts_d = self._upload(
+            batch.out_cache_loc, batch.rows, batch.prefix_lens, batch.extend_lens, q_starts)
+        return TritonMetadata(out_cache_loc, rows_d, False, prefix_lens=prefix_d, extend_lens=extend_d,
+                              q_starts=starts_d, max_extend=int(batch.extend_lens.max()))
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, layer: LayerAttention, metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        assert isinstance(metadata, TritonMetadata), "metadata from another backend"
+        write_kv(k, v, k_cache, v_cache, metadata.out_cache_loc)
+        num_tokens, num_heads, head_dim = q.shape
+        q = q.contiguous()
+        window, softcap = layer.window or 0, layer.softcap or 0.0
+        if metadata.is_decode:
+            assert metadata.seq_lens is not None
+            out = self.kernels.decode_attention(
+                q, k_cache, v_cache, self.req_to_token, metadata.rows, metadata.seq_lens, layer.scale, window,
+                softcap, metadata.num_splits, metadata.max_seq_len,
+            )
+        else:
+            assert metadata.prefix_lens is not None and metadata.extend_lens is not None and metadata.q_starts is not None
+            out = self.kernels.extend_attention(
+                q, k_cache, v_cache, self.req_to_token, metadata.rows, metadata.prefix_lens, metadata.extend_lens,
+                metadata.q_starts, metadata.max_extend, layer.scale, window, softcap,
+            )
+        return out.view(num_tokens, num_heads * head_dim)
