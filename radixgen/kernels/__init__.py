@@ -29,8 +29,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name) for name in (
     "kernels.cpp", "decode_attention.cpp", "prefill_attention.cpp", "small_linear.cpp", "fused_ops.cpp", "quant_linear.cpp", "common.h")]
 _UNIT = "kernels.cpp"  # includes the other sources
-_OPS = ("decode_attention", "prefill_attention", "prefill_attention_native", "shared_prefix_attention", "small_linear", "rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul", "quant_linear",
-        "quant_dequantize")
+_OPS = ("decode_attention", "prefill_attention", "prefill_attention_native", "shared_prefix_attention", "small_linear", "rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul", "quant_linear")
 # Release flags that keep IEEE semantics apart from reassociation (so the dot products
 # vectorise); -ffast-math would link crtfastmath and flush denormals process-wide. -fopenmp:
 # at::parallel_for is an OpenMP pragma in a header and runs serially without it; torch ships
@@ -75,7 +74,6 @@ class CpuKernels:
     rope_store_kv: Any
     silu_mul: Any
     quant_linear: Any
-    quant_dequantize: Any
     small_linear_max_tokens: int = 2
     """Linear layers of steps with at most this many tokens use ``small_linear`` (a
     matrix-vector product over the plain weight); larger steps use oneDNN's blocked GEMM."""

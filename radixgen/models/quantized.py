@@ -6,13 +6,12 @@ a fifth more bytes), with w = q * scale + min (8-bit: no min). GGUF's Q4_1,
 Q4_0 (min = -8 * scale) and Q8_0 blocks map onto this exactly, so a GGUF file is repacked, not
 dequantized (``gguf_weights.py``); float checkpoints are quantized here (``quantize``).
 
-On CPU, steps of up to ``FUSED_MAX_TOKENS`` tokens (decode batches) run the native
-``quant_linear``: the activations rounded to 16-bit integers per group of 32, each group of
-weights multiplied with up to 8 tokens by integer multiply-adds, so W is read at 0.625 (4-bit)
-or 1.125 (8-bit) bytes per weight and no float copy is made. Longer steps (prefill) are
-compute-bound and the float GEMM is faster there (gate_up at 128 / 512 tokens: 6.7 / 27.2 ms in
-the kernel against 6.0 / 18.2 ms dequantized + GEMM, the dequantization included): the weight is
-dequantized for that one call and freed.
+On CPU every step runs the native ``quant_linear`` on the weight as it is held, in the
+kernel's layout (``interleave``: rows in blocks of 16, one record per block and group): the
+activations rounded to 16-bit integers per group of 32 and multiplied with the weights by integer
+multiply-adds, so W is read at 0.625 (4-bit) or 1.0625 (8-bit) bytes per weight, in one pass
+for up to 12 tokens, and no float copy is made. One path at every step size keeps a token's
+result independent of the step it runs in (decode, extend, prefill).
 Elsewhere (or without the native ops) the same in PyTorch ops.
 """
 
@@ -26,7 +25,6 @@ from torch import nn
 from radixgen.kernels import CpuKernels
 
 GROUP = 32
-FUSED_MAX_TOKENS = 64
 
 
 @dataclass
@@ -107,31 +105,85 @@ def quantize(weight: torch.Tensor, bits: int) -> QuantizedWeight:
                            low.contiguous(), 4)
 
 
+BLOCK_ROWS = 16
+
+
+def _chunks(bits: int) -> int:
+    """32-byte chunks per group record: 4 bits, 8 (each byte two nibbles); 8 bits, 16."""
+    return 8 if bits == 4 else 16
+
+
+def interleave(weight: QuantizedWeight) -> torch.Tensor:
+    """The kernel's layout (quant_linear.cpp): rows in blocks of 16 (zero rows pad the last one),
+    per block and group one record of the quantized bytes, the float16 scales and (4 bits) the
+    minimums, so a step reads W as one sequence. uint8 [ceil(out / 16), in / 32, record bytes]."""
+    out, in_features = weight.shape
+    groups, chunks = in_features // GROUP, _chunks(weight.bits)
+    blocks = -(-out // BLOCK_ROWS)
+    pad = blocks * BLOCK_ROWS - out
+
+    def rows_padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+    # 4 bits: byte 2c + j of a group holds elements 2c + j (low nibble) and 2c + j + 16 (high);
+    # 8 bits: byte 2p + j is element 2p + j. Either way the record's chunk c takes byte pair c of
+    # all 16 rows.
+    q = rows_padded(weight.qweight.view(torch.uint8)).view(blocks, BLOCK_ROWS, groups, chunks, 2)
+    parts = [q.permute(0, 2, 3, 1, 4).reshape(blocks, groups, chunks * 2 * BLOCK_ROWS)]
+    per_group = [weight.scales]
+    if weight.bits == 4:
+        per_group.append(weight.mins if weight.mins.numel() else torch.zeros_like(weight.scales))
+    for values in per_group:
+        halves = rows_padded(values.to(torch.float16)).view(blocks, BLOCK_ROWS, groups).transpose(1, 2).contiguous()
+        parts.append(halves.view(torch.uint8))
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def deinterleave(records: torch.Tensor, bits: int, rows: torch.Tensor | None = None) -> QuantizedWeight:
+    """``interleave`` undone for the blocks in ``records`` [B, groups, record bytes]: all 16 rows of
+    each (rows None: 16 B rows, padding included), or row ``rows[i]`` of block i."""
+    blocks, groups, _ = records.shape
+    chunks = _chunks(bits)
+    qbytes = chunks * 2 * BLOCK_ROWS
+    q = records[..., :qbytes].view(blocks, groups, chunks, BLOCK_ROWS, 2)
+    per_group = [records[..., qbytes + i * 2 * BLOCK_ROWS : qbytes + (i + 1) * 2 * BLOCK_ROWS].contiguous()
+                 .view(torch.float16) for i in range(2 if bits == 4 else 1)]  # [B, groups, 16] each
+    if rows is None:
+        q = q.permute(0, 3, 1, 2, 4).reshape(blocks * BLOCK_ROWS, groups * chunks * 2)
+        per_group = [v.transpose(1, 2).reshape(blocks * BLOCK_ROWS, groups) for v in per_group]
+    else:
+        picked = torch.arange(blocks)
+        q = q[picked, :, :, rows].reshape(blocks, groups * chunks * 2)
+        per_group = [v[picked, :, rows] for v in per_group]
+    qweight = q.contiguous() if bits == 4 else q.contiguous().view(torch.int8)
+    mins = per_group[1] if bits == 4 else torch.empty(0)
+    return QuantizedWeight(qweight, per_group[0].contiguous(), mins.contiguous(), bits)
+
+
 class QuantizedLinear(nn.Module):
-    """y = x @ dequant(W).T + b, with the ``Linear`` interface the decoder calls."""
+    """y = x @ dequant(W).T + b, with the ``Linear`` interface the decoder calls. The weight is
+    held only in the kernel's layout (``interleave``)."""
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.bits = weight.bits
         self.out_features, self.in_features = weight.shape
-        self.qweight: torch.Tensor
-        self.scales: torch.Tensor
-        self.mins: torch.Tensor
-        self.register_buffer("qweight", weight.qweight, persistent=False)
-        self.register_buffer("scales", weight.scales, persistent=False)
-        self.register_buffer("mins", weight.mins, persistent=False)
+        self.packed: torch.Tensor
+        self.register_buffer("packed", interleave(weight), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @property
     def weight_q(self) -> QuantizedWeight:
-        return QuantizedWeight(self.qweight, self.scales, self.mins, self.bits)
+        full = deinterleave(self.packed, self.bits)
+        return full.rows(torch.arange(self.out_features)) if full.shape[0] != self.out_features else full
+
+    def rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """The weight of the selected output rows (embedding lookups)."""
+        return deinterleave(self.packed[index // BLOCK_ROWS], self.bits, index % BLOCK_ROWS)
 
     def forward(self, x: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
-        if kernels is not None and x.shape[0] <= FUSED_MAX_TOKENS:
-            y = kernels.quant_linear(x, self.qweight, self.scales, self.mins, self.bits)
-        elif kernels is not None:
-            weight = kernels.quant_dequantize(self.qweight, self.scales, self.mins, self.bits, x.dtype)
-            y = nn.functional.linear(x, weight)
+        if kernels is not None:
+            y = kernels.quant_linear(x, self.packed, self.out_features, self.bits)
         else:
             y = nn.functional.linear(x, self.weight_q.dequantize(x.dtype))
         return y if self.bias is None else y + self.bias
@@ -148,4 +200,5 @@ class QuantizedEmbedding(nn.Module):
         self.head = QuantizedLinear(weight, None)
 
     def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.head.weight_q.rows(ids).dequantize(dtype)
+        flat = ids.reshape(-1)
+        return self.head.rows(flat).dequantize(dtype).view(*ids.shape, self.head.in_features)

@@ -14,7 +14,13 @@ import torch
 
 from radixgen.kernels import cpu_kernels
 from radixgen.models.gguf_weights import _repack
-from radixgen.models.quantized import QuantizedLinear, QuantizedWeight, quantize
+from radixgen.models.quantized import (
+    QuantizedLinear,
+    QuantizedWeight,
+    deinterleave,
+    interleave,
+    quantize,
+)
 
 
 def _random_weight(bits: int, out: int, inp: int, seed: int) -> QuantizedWeight:
@@ -23,7 +29,7 @@ def _random_weight(bits: int, out: int, inp: int, seed: int) -> QuantizedWeight:
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(("out", "inp"), [(1, 32), (37, 96), (300, 576), (130, 1536)])
-@pytest.mark.parametrize("tokens", [1, 2, 8, 64])
+@pytest.mark.parametrize("tokens", [1, 2, 8, 64, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_the_dequantized_float_linear(kernels: Any, bits: int, out: int, inp: int, tokens: int,
                                                      dtype: torch.dtype) -> None:
@@ -49,21 +55,26 @@ def test_a_tokens_result_does_not_depend_on_the_tokens_beside_it(kernels: Any, b
     """Bit for bit: greedy outputs must not change with the batch, and a speculative step's
     extend must give the logits the decode step would have."""
     linear = QuantizedLinear(_random_weight(bits, 300, 576, seed=bits), None)
-    x = torch.randn(11, 576, generator=torch.Generator().manual_seed(1))
-    alone = torch.cat([linear(x[i : i + 1], kernels) for i in range(11)])
-    for tokens in (2, 3, 5, 11):
+    x = torch.randn(29, 576, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([linear(x[i : i + 1], kernels) for i in range(29)])
+    for tokens in (2, 3, 5, 11, 12, 13, 29):  # passes of up to 12 tokens: one, one full, several
         assert torch.equal(linear(x[:tokens], kernels), alone[:tokens]), tokens
 
 
-def test_dequantize_op_equals_the_pytorch_dequantization(kernels: Any) -> None:
-    """To the last bit but one: the native op may fuse q * scale + min into one rounding."""
-    for bits in (4, 8):
-        w = _random_weight(bits, 70, 160, seed=bits)
-        expected = w.dequantize()
-        got = kernels.quant_dequantize(w.qweight, w.scales, w.mins, bits, torch.float32)
-        torch.testing.assert_close(got, expected, rtol=2.4e-7, atol=float(expected.abs().max()) * 2.4e-7)
-        if bits == 8:  # one multiply, one rounding either way
-            assert torch.equal(got, expected)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_kernel_layout_holds_the_weight_and_selects_rows(bits: int) -> None:
+    """interleave / deinterleave round-trip with a padded last block (37 rows: 16 + 16 + 5), and the
+    rows an embedding lookup selects are the weight's rows."""
+    w = _random_weight(bits, 37, 96, seed=bits)
+    packed = interleave(w)
+    assert packed.shape == (3, 3, 320 if bits == 4 else 544) and packed.dtype == torch.uint8
+    back = deinterleave(packed, bits)
+    assert torch.equal(back.dequantize()[:37], w.dequantize())
+    assert not back.dequantize()[37:].any(), "padding rows are zero weights"
+    linear = QuantizedLinear(w, None)
+    assert torch.equal(linear.weight_q.dequantize(), w.dequantize())
+    index = torch.tensor([36, 0, 17, 17, 5])
+    assert torch.equal(linear.rows(index).dequantize(), w.rows(index).dequantize())
 
 
 def test_quantization_error_is_within_a_step(kernels: Any) -> None:
