@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PORT ?= 30000
 
-.PHONY: serve test lint bench install clean
+.PHONY: serve test lint bench install clean gpu-bundle
 
 install: $(VENV)/.installed
 
@@ -40,5 +40,9 @@ lint: install
 bench: install
 	$(PY) benchmarks/bench_offline.py
 
+# The folder a GPU machine without network runs benchmarks/gpu_check.py from (benchmarks/README.md).
+gpu-bundle: install
+	$(PY) benchmarks/gpu_bundle.py --out gpu-bundle
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache gpu-bundle

@@ -59,9 +59,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
+    """The bundled model's folder; RADIXGEN_TEST_MODEL_DIR names a copy of its config and
+    tokenizer instead (the GPU bundle carries one, not the GGUF package)."""
     from radixgen.models.loader import resolve_model_dir
 
-    return resolve_model_dir(None)
+    override = os.environ.get("RADIXGEN_TEST_MODEL_DIR")
+    return Path(override) if override else resolve_model_dir(None)
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
@@ -15,6 +14,7 @@ from radixgen.engine.kv_pool import KVPool
 from radixgen.kernels import CpuKernels, cpu_kernels
 from radixgen.models import CausalLM, LoadedModel, load_model, torch_dtype
 from radixgen.models.attention import create_backend
+from radixgen.staging import upload
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +91,8 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.device = device
-        self.kernels: CpuKernels | None = None
-        if device.type == "cpu":
-            kernels = cpu_kernels()
-            if kernels is not None:
-                self.kernels = dataclasses.replace(kernels, small_linear_max_tokens=small_linear_max_tokens)
+        self.kernels: CpuKernels | None = cpu_kernels() if device.type == "cpu" else None
+        model.set_small_linear_max_tokens(small_linear_max_tokens if self.kernels is not None else 0)
         self.attention = create_backend(
             attention_backend, req_to_token=pool.req_to_token, dtype=pool.k.dtype, head_dim=pool.k.shape[-1],
             kernels=self.kernels,
@@ -133,19 +130,18 @@ class ModelRunner:
         """float32 logits [B + sum(verify_counts) + S, vocab]: the last new token of every request;
         then, per request with forced tokens to verify, the positions just before each of them;
         then the S prompt positions of ``plan.prompt_scoring``."""
-        device = self.device
-        metadata = self.attention.prepare(plan.attention_batch())
-        input_ids = torch.from_numpy(plan.input_ids).to(device)
-        positions = torch.from_numpy(plan.positions).to(device)
         last = np.cumsum(plan.extend_lens) - 1
         if plan.verify_counts is not None and plan.verify_counts.any():
             extra = [np.arange(end - m - 1, end - 1) for end, m in zip(last + 1, plan.verify_counts, strict=True) if m]
             last = np.concatenate([last, *extra])
         if plan.prompt_scoring is not None:
             last = np.concatenate([last, plan.prompt_scoring.token_index])
-        logits_index = torch.from_numpy(last).to(device)
-        return self.model(input_ids, positions, self.attention, metadata, self.pool.k, self.pool.v, logits_index,
-                          self.kernels)
+        batch = plan.attention_batch()
+        # the step's inputs and the attention backend's index arrays in one copy
+        input_ids, positions, logits_index, *attention_arrays = upload(
+            [plan.input_ids, plan.positions, last, *self.attention.host_arrays(batch)], self.device)
+        metadata = self.attention.prepare_uploaded(batch, attention_arrays)
+        return self.model(input_ids, positions, self.attention, metadata, self.pool.k, self.pool.v, logits_index)
 
 
 def split_prompt_scores(plan: StepPlan, logits: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:

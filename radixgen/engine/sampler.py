@@ -16,6 +16,7 @@ from radixgen.constraints.mask import apply_bitmask
 from radixgen.engine.batch import StepKind, StepPlan
 from radixgen.engine.request import Request
 from radixgen.engine.row_params import RowParams
+from radixgen.staging import ReadBack, upload
 
 _M32 = 0xFFFFFFFF
 
@@ -49,6 +50,8 @@ class SamplingBatch:
     seeds: torch.Tensor  # [B] int64
     counters: torch.Tensor  # [B] int64: tokens generated so far
     is_greedy: np.ndarray  # [B] bool (host)
+    sampled_rows: torch.Tensor  # [S] int64: batch rows that sample (not greedy)
+    max_top_k: int  # the largest top_k among them (host: sizes the top-k without reading the device)
     need_top_p: bool
     need_top_k: bool
     need_min_p: bool
@@ -115,48 +118,62 @@ class SamplingBatch:
         sampled = ~greedy
         penalized = np.flatnonzero(table.penalized[rows])
 
-        def tensor(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        # every array goes to the device in one copy; each entry's index into ``host`` is kept
+        host: list[np.ndarray] = []
 
-        def pen(column: np.ndarray) -> torch.Tensor:
-            return tensor(column[rows[penalized]])
+        def staged(a: np.ndarray) -> int:
+            host.append(a)
+            return len(host) - 1
 
-        bias_index = bias_values = None
+        def pen(column: np.ndarray) -> int:
+            return staged(column[rows[penalized]])
+
+        bias = None
         biased = np.flatnonzero(table.biased[rows]).tolist()
         if biased:
             entries = [(i, t, v) for i in biased for t, v in (_owner(table, rows[i]).params.logit_bias or {}).items()]
             rows_b, toks_b, vals_b = zip(*entries, strict=True)
-            bias_index = (tensor(np.array(rows_b, dtype=np.int64)), tensor(np.array(toks_b, dtype=np.int64)))
-            bias_values = tensor(np.array(vals_b, dtype=np.float32))
+            bias = (staged(np.array(rows_b, dtype=np.int64)), staged(np.array(toks_b, dtype=np.int64)),
+                    staged(np.array(vals_b, dtype=np.float32)))
         # min_new_tokens: unconstrained rows only (an automaton decides where its output ends)
         min_new = table.min_new[rows]
         short = np.flatnonzero((min_new > counters) & ~table.constrained[rows])
-        min_rows = min_tokens = min_counters = min_banned = None
+        min_rows = min_tokens = min_counters = None
+        banned: list[int] = []
         if len(short):
             min_rows, min_tokens, min_counters = short.astype(np.int64), min_new[short], counters[short].copy()
-            min_banned = [tensor(np.array(sorted(set(eos_token_ids) | set(_owner(table, rows[i]).params.stop_token_ids)),
-                                          dtype=np.int64)) for i in short.tolist()]
+            banned = [staged(np.array(sorted(set(eos_token_ids) | set(_owner(table, rows[i]).params.stop_token_ids)),
+                                      dtype=np.int64)) for i in short.tolist()]
         top_logprobs = table.top_logprobs[rows]
+        sampled_rows = np.flatnonzero(sampled).astype(np.int64)
+        columns = [staged(np.asarray(a)) for a in (
+            temps, top_p, top_k, min_p, table.seed[rows], counters.astype(np.int64), rows.astype(np.int64), sampled_rows,
+        )]
+        has_penalties = bool(len(penalized))
+        if has_penalties:
+            columns += [staged(penalized.astype(np.int64)), pen(table.repetition), pen(table.frequency),
+                        pen(table.presence)]
+        uploaded = upload(host, device)
+        t = [uploaded[i] for i in columns]
         return cls(
-            temperatures=tensor(temps),
-            top_p=tensor(top_p),
-            top_k=tensor(top_k),
-            min_p=tensor(min_p),
-            seeds=tensor(table.seed[rows]),
-            counters=tensor(counters.astype(np.int64)),
+            temperatures=t[0], top_p=t[1], top_k=t[2], min_p=t[3], seeds=t[4], counters=t[5],
             is_greedy=greedy,
+            sampled_rows=t[7],
+            max_top_k=int(top_k[sampled].max()) if sampled.any() else 0,
             need_top_p=bool((top_p[sampled] < 1.0).any()),
             need_top_k=bool((top_k[sampled] < vocab_size).any()),
             need_min_p=bool((min_p[sampled] > 0.0).any()),
             max_top_logprobs=int(top_logprobs.max()) if len(rows) else 0,
             want_logprobs=bool(table.logprobs[rows].any()),
-            rows=tensor(rows.astype(np.int64)),
-            penalized=tensor(penalized.astype(np.int64)) if len(penalized) else None,
-            repetition=pen(table.repetition) if len(penalized) else None,
-            frequency=pen(table.frequency) if len(penalized) else None,
-            presence=pen(table.presence) if len(penalized) else None,
-            bias_index=bias_index, bias_values=bias_values,
-            min_rows=min_rows, min_tokens=min_tokens, min_counters=min_counters, min_banned=min_banned,
+            rows=t[6],
+            penalized=t[8] if has_penalties else None,
+            repetition=t[9] if has_penalties else None,
+            frequency=t[10] if has_penalties else None,
+            presence=t[11] if has_penalties else None,
+            bias_index=(uploaded[bias[0]], uploaded[bias[1]]) if bias else None,
+            bias_values=uploaded[bias[2]] if bias else None,
+            min_rows=min_rows, min_tokens=min_tokens, min_counters=min_counters,
+            min_banned=[uploaded[i] for i in banned] if banned else None,
         )
 
 
@@ -288,9 +305,8 @@ class Sampler:
         if bitmask is not None:
             apply_bitmask(logits, bitmask)
         token_ids = logits.argmax(dim=-1)
-        sampled = np.flatnonzero(~batch.is_greedy)
-        if len(sampled):
-            idx = torch.from_numpy(sampled).to(logits.device)
+        if not batch.is_greedy.all():
+            idx = batch.sampled_rows
             token_ids[idx] = sample_rows(logits[idx], batch, idx, batch.counters[idx])
         self.penalties.record(batch, token_ids)
         return self._result(logits, token_ids, batch)
@@ -300,11 +316,14 @@ class Sampler:
         if batch.want_logprobs or batch.max_top_logprobs:
             # Log-probabilities of the model's distribution (after penalties, before temperature).
             logprobs = torch.log_softmax(logits, dim=-1)
-            chosen_lp = logprobs.gather(1, token_ids[:, None]).squeeze(1).cpu().numpy()
+            chosen_lp = logprobs.gather(1, token_ids[:, None]).squeeze(1)
             if batch.max_top_logprobs:
                 top = torch.topk(logprobs, batch.max_top_logprobs, dim=-1)
-                top_ids, top_lp = top.indices.cpu().numpy(), top.values.cpu().numpy()
-        return SampleResult(token_ids.cpu().numpy(), chosen_lp, top_ids, top_lp)
+                top_ids, top_lp = top.indices, top.values
+        # the step's one read-back: everything the host needs, behind one event
+        ids, lp, best_ids, best_lp = ReadBack([token_ids, chosen_lp, top_ids, top_lp]).wait()
+        assert ids is not None
+        return SampleResult(ids, lp, best_ids, best_lp)
 
 
 def sample_rows(logits: torch.Tensor, batch: SamplingBatch, idx: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
@@ -315,7 +334,7 @@ def sample_rows(logits: torch.Tensor, batch: SamplingBatch, idx: torch.Tensor, c
     logits = logits / batch.temperatures[idx, None]
     if batch.need_top_k:
         top_k = batch.top_k[idx]
-        kth = torch.topk(logits, int(top_k.max()), dim=-1).values.gather(1, (top_k - 1)[:, None])
+        kth = torch.topk(logits, batch.max_top_k, dim=-1).values.gather(1, (top_k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if batch.need_min_p:

@@ -24,12 +24,17 @@ from typing import Any
 
 import torch
 
+from radixgen.kernels import ops  # noqa: F401  # defines the fused ops before the extension registers their CPU kernels
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in (
     "kernels.cpp", "decode_attention.cpp", "prefill_attention.cpp", "small_linear.cpp", "fused_ops.cpp", "quant_linear.cpp", "common.h")]
 _UNIT = "kernels.cpp"  # includes the other sources
-_OPS = ("decode_attention", "prefill_attention", "prefill_attention_native", "shared_prefix_attention", "small_linear", "rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul", "quant_linear")
+# the ops only the extension defines (the attention kernels); the fused layer ops' schemas are
+# defined in ops.py, and the extension adds their CPU kernels
+_OPS = ("decode_attention", "prefill_attention", "prefill_attention_native", "shared_prefix_attention")
+_FUSED_OPS = ("rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul", "small_linear", "quant_linear")
 # Release flags that keep IEEE semantics apart from reassociation (so the dot products
 # vectorise); -ffast-math would link crtfastmath and flush denormals process-wide. -fopenmp:
 # at::parallel_for is an OpenMP pragma in a header and runs serially without it; torch ships
@@ -62,21 +67,14 @@ def _build_dir() -> Path:
 
 @dataclass(frozen=True)
 class CpuKernels:
-    """The native ops a CPU forward calls (each an overload of ``torch.ops.radixgen``)."""
+    """The native attention ops of the ``cpu`` attention backend (each an overload of
+    ``torch.ops.radixgen``). The fused layer ops need no handle: with the extension loaded,
+    ``torch.ops.radixgen`` runs their CPU kernels on CPU tensors (``ops.py``)."""
 
     decode_attention: Any
     prefill_attention: Any
     prefill_attention_native: Any
     shared_prefix_attention: Any
-    small_linear: Any
-    rms_norm: Any
-    add_rms_norm: Any
-    rope_store_kv: Any
-    silu_mul: Any
-    quant_linear: Any
-    small_linear_max_tokens: int = 2
-    """Linear layers of steps with at most this many tokens use ``small_linear`` (a
-    matrix-vector product over the plain weight); larger steps use oneDNN's blocked GEMM."""
 
     def prefill_attention_for(self, dtype: torch.dtype) -> Any:
         """The prefill kernel where it is the faster path (bfloat16 on a CPU with AVX-512 BF16;
@@ -110,9 +108,10 @@ def decode_attention_op() -> Any:
 
 def _registered() -> Any:
     namespace = getattr(torch.ops, "radixgen", None)
-    if namespace is not None and all(hasattr(namespace, name) for name in _OPS):
-        return namespace
-    return None
+    if namespace is None or not all(hasattr(namespace, name) for name in _OPS):
+        return None
+    has_cpu_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    return namespace if all(has_cpu_kernel(f"radixgen::{name}", "CPU") for name in _FUSED_OPS) else None
 
 
 def _load() -> Any:

@@ -26,7 +26,8 @@ int64_t row_grain(int64_t row_elements) { return std::max<int64_t>(1, 32768 / st
 // out = weight * normalise(x) per row; with `residual`, first residual += x and normalise that.
 template <typename scalar_t>
 void rms_norm_rows(const scalar_t* x, scalar_t* residual, const scalar_t* weight, scalar_t* out,
-                   int64_t rows, int64_t dim, int64_t x_stride, int64_t residual_stride, float eps) {
+                   int64_t rows, int64_t dim, int64_t x_stride, int64_t residual_stride, float eps,
+                   bool multiply_in_float) {
   at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* src = x + r * x_stride;
@@ -40,10 +41,14 @@ void rms_norm_rows(const scalar_t* x, scalar_t* residual, const scalar_t* weight
       for (int64_t i = 0; i < dim; ++i) sum_sq += to_float(src[i]) * to_float(src[i]);
       const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(dim) + eps);
       scalar_t* dst = out + r * dim;
-      for (int64_t i = 0; i < dim; ++i) {
-        // float32: x * inv_rms * w; reduced precision: round the normalised value, then multiply
-        const scalar_t normed = static_cast<scalar_t>(to_float(src[i]) * inv_rms);
-        dst[i] = static_cast<scalar_t>(to_float(weight[i]) * to_float(normed));
+      if (multiply_in_float) {  // Gemma, OLMo 2: multiply in float, round once
+        for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<scalar_t>(to_float(src[i]) * inv_rms * to_float(weight[i]));
+      } else {
+        for (int64_t i = 0; i < dim; ++i) {
+          // float32: x * inv_rms * w; reduced precision: round the normalised value, then multiply
+          const scalar_t normed = static_cast<scalar_t>(to_float(src[i]) * inv_rms);
+          dst[i] = static_cast<scalar_t>(to_float(weight[i]) * to_float(normed));
+        }
       }
     }
   });
@@ -70,18 +75,20 @@ inline void rotate_head(const scalar_t* x, const scalar_t* cos, const scalar_t* 
 
 }  // namespace
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool multiply_in_float) {
   check_norm_args(x, weight);
   auto out = at::empty({x.size(0), x.size(1)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, weight.data_ptr<scalar_t>(),
-                            out.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0), 0, static_cast<float>(eps));
+                            out.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0), 0, static_cast<float>(eps),
+                            multiply_in_float);
   });
   return out;
 }
 
 // residual += x; returns rms_norm(residual) * weight. Both in one pass over the row.
-at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps,
+                        bool multiply_in_float) {
   check_norm_args(x, weight);
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1 && residual.scalar_type() == x.scalar_type(),
               "residual must match x");
@@ -89,7 +96,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
                             weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), x.size(1),
-                            x.stride(0), residual.stride(0), static_cast<float>(eps));
+                            x.stride(0), residual.stride(0), static_cast<float>(eps), multiply_in_float);
   });
   return out;
 }
@@ -177,14 +184,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-TORCH_LIBRARY_FRAGMENT(radixgen, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
-  m.def("rope_store_kv(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, Tensor out_cache_loc, int num_heads) -> Tensor");
-  m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
-  m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
-  m.impl("rope_store_kv", c10::DispatchKey::CPU, TORCH_FN(rope_store_kv));
-  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+// The schemas are defined in radixgen/kernels/ops.py, with the PyTorch and Triton implementations.
+TORCH_LIBRARY_IMPL(radixgen, CPU, m) {
+  m.impl("rms_norm", TORCH_FN(rms_norm));
+  m.impl("add_rms_norm", TORCH_FN(add_rms_norm));
+  m.impl("rope_store_kv", TORCH_FN(rope_store_kv));
+  m.impl("silu_mul", TORCH_FN(silu_mul));
 }

@@ -343,7 +343,5 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-TORCH_LIBRARY_FRAGMENT(radixgen, m) {
-  m.def("quant_linear(Tensor x, Tensor packed, int out_features, int bits) -> Tensor");
-  m.impl("quant_linear", c10::DispatchKey::CPU, TORCH_FN(quant_linear));
-}
+// The schema is defined in radixgen/kernels/ops.py.
+TORCH_LIBRARY_IMPL(radixgen, CPU, m) { m.impl("quant_linear", TORCH_FN(quant_linear)); }

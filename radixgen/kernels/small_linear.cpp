@@ -61,7 +61,5 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std
   return y;
 }
 
-TORCH_LIBRARY_FRAGMENT(radixgen, m) {
-  m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.impl("small_linear", c10::DispatchKey::CPU, TORCH_FN(small_linear));
-}
+// The schema is defined in radixgen/kernels/ops.py.
+TORCH_LIBRARY_IMPL(radixgen, CPU, m) { m.impl("small_linear", TORCH_FN(small_linear)); }

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from radixgen.kernels import CpuKernels
 from radixgen.models.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from radixgen.models.config import ModelConfig
 from radixgen.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
@@ -35,8 +34,6 @@ class StepInputs:
     metadata: AttentionMetadata
     """What ``attention.prepare`` made of the step's plan."""
     positions: torch.Tensor  # [T]
-    kernels: CpuKernels | None
-    """Native CPU ops; None runs PyTorch ops alone (other devices, or no compiler)."""
     rope_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     """[T, 1, head_dim] cos/sin per rotary embedding, for the unfused rotary path (once per step)."""
 
@@ -67,7 +64,7 @@ class Attention(nn.Module):
         # the fused rotary op rotates whole heads
         self.fused_rope = not rope.partial
 
-    def _norm_qk(self, qkv: torch.Tensor, kernels: CpuKernels | None) -> None:
+    def _norm_qk(self, qkv: torch.Tensor) -> None:
         """q/k norms in place on qkv (the fused rotary op reads them from there)."""
         assert self.q_norm is not None and self.k_norm is not None
         num_tokens = qkv.shape[0]
@@ -75,28 +72,27 @@ class Attention(nn.Module):
         rows = self.head_dim if self.qk_norm == "head" else None
         q_in = q.reshape(-1, rows) if rows else q.contiguous()
         k_in = k.reshape(-1, rows) if rows else k.contiguous()
-        q.copy_(self.q_norm(q_in, kernels).view(num_tokens, -1))
-        k.copy_(self.k_norm(k_in, kernels).view(num_tokens, -1))
+        q.copy_(self.q_norm(q_in).view(num_tokens, -1))
+        k.copy_(self.k_norm(k_in).view(num_tokens, -1))
 
     def forward(self, x: torch.Tensor, step: StepInputs, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        num_tokens, kernels = x.shape[0], step.kernels
-        qkv = self.qkv(x, kernels)  # [T, (heads + 2 kv_heads) * head_dim]
+        num_tokens = x.shape[0]
+        qkv = self.qkv(x)  # [T, (heads + 2 kv_heads) * head_dim]
         if self.q_norm is not None:
-            self._norm_qk(qkv, kernels)
+            self._norm_qk(qkv)
         rope = self.rope[0]
-        if kernels is not None and self.fused_rope:
+        if self.fused_rope:
             # rotary on q and k, and k/v written to the pool, in one op
-            q = kernels.rope_store_kv(
+            q = torch.ops.radixgen.rope_store_kv.default(
                 qkv, step.positions, rope.cos, rope.sin, k_cache, v_cache, step.metadata.out_cache_loc, self.num_heads,
             )
-            out = step.attention.forward(q, None, None, k_cache, v_cache, self.variant, step.metadata)
-            return self.o(out, kernels)
+            return self.o(step.attention.forward(q, None, None, k_cache, v_cache, self.variant, step.metadata))
         cos, sin = step.tables(rope)
         qk = qkv[:, : self.qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k = rope.rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = step.attention.forward(q, k, v, k_cache, v_cache, self.variant, step.metadata)  # [T, heads*head_dim]
-        return self.o(out, kernels)
+        return self.o(out)
 
 
 class DecoderLayer(nn.Module):
@@ -127,25 +123,24 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's MLP output, or the embeddings with ``residual`` None.
         Returns (this layer's MLP output, the residual stream before it is added): the add is
         left to the next norm, which fuses it."""
-        kernels = step.kernels
         if self.attn_in_norm is None:  # post-norm: the sublayers read the residual stream itself
             residual = x if residual is None else residual + x
             h = residual
         elif residual is None:
-            residual, h = x, self.attn_in_norm(x, kernels)
+            residual, h = x, self.attn_in_norm(x)
         else:
-            h, residual = self.attn_in_norm.add_and_norm(x, residual, kernels)
+            h, residual = self.attn_in_norm.add_and_norm(x, residual)
         h = self.attn(h, step, k_cache, v_cache)
         if self.attn_out_norm is not None:
-            h = self.attn_out_norm(h, kernels)
+            h = self.attn_out_norm(h)
         if self.mlp_in_norm is None:
             residual = residual + h
             h = residual
         else:
-            h, residual = self.mlp_in_norm.add_and_norm(h, residual, kernels)
-        h = self.mlp(h, kernels)
+            h, residual = self.mlp_in_norm.add_and_norm(h, residual)
+        h = self.mlp(h)
         if self.mlp_out_norm is not None:
-            h = self.mlp_out_norm(h, kernels)
+            h = self.mlp_out_norm(h)
         return h, residual
 
 
@@ -185,21 +180,20 @@ class CausalLM(nn.Module):
         k_caches: torch.Tensor,  # [layers, slots, kv_heads, head_dim]
         v_caches: torch.Tensor,
         logits_index: torch.Tensor,  # [N] rows of T whose next-token logits are wanted
-        kernels: CpuKernels | None = None,
     ) -> torch.Tensor:
         """Return float32 logits [N, vocab] for the selected positions."""
         # [T, hidden]; a fresh tensor, so the residual may be updated in place
         x = self.embed[input_ids] if self.quantized_embed is None else self.quantized_embed(input_ids, self.norm.weight.dtype)
         if self.embed_scale is not None:
             x.mul_(self.embed_scale)
-        step = StepInputs(attention, metadata, positions, kernels)
+        step = StepInputs(attention, metadata, positions)
         residual: torch.Tensor | None = None
         for layer, k_cache, v_cache in zip(self.decoder_layers(), k_caches, v_caches, strict=True):
             x, residual = layer(x, residual, step, k_cache, v_cache)
         assert residual is not None
         # the norm is per row, so selecting first is exact
-        x, _ = self.norm.add_and_norm(x[logits_index], residual[logits_index], kernels)
-        logits = self.lm_head(x, kernels).float()
+        x, _ = self.norm.add_and_norm(x[logits_index], residual[logits_index])
+        logits = self.lm_head(x).float()
         cap = self.config.final_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
 
@@ -235,6 +229,13 @@ class CausalLM(nn.Module):
             if packed is not None:
                 total += packed.numel() * packed.element_size()
         return total
+
+    def set_small_linear_max_tokens(self, max_tokens: int) -> None:
+        """Steps of at most ``max_tokens`` tokens run the linears as matrix-vector products over
+        the plain weights (CPU; 0: never)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.small_linear_max_tokens = max_tokens
 
     def drop_plain_weights(self) -> None:
         """Free the plain copies of oneDNN-packed weights (the small-batch path then uses

@@ -6,10 +6,10 @@ fp32 batch 1 / 8 / 64 took 9.8 / 11.1 / 49 ms packed against 12 / 30 / 72-85 ms 
 of ``x @ W.t()`` layouts through MKL, whose small-batch fp32 GEMMs are slow; bf16 6.4 / 7.6 /
 21.5 ms against 10 / 11 / 26 ms. Elsewhere (CUDA, or a torch without oneDNN) ``F.linear``.
 
-Every ``forward`` takes the step's ``CpuKernels`` (None: PyTorch ops only). With them, steps of
-one or two tokens run the linears as matrix-vector products over the plain weight, which is
-kept beside the packed one for that (``radixgen/kernels/small_linear.cpp``), and norms, rotary
-and SiLU*up are one fused native op each.
+Norms, rotary with the K/V write and SiLU*up are one ``torch.ops.radixgen`` op each
+(``radixgen/kernels/ops.py``: the C++ kernel on CPU, Triton on CUDA, PyTorch elsewhere). Steps of
+at most ``Linear.small_linear_max_tokens`` tokens run the linears as matrix-vector products over
+the plain weight, which is kept beside the packed one for that (``small_linear.cpp``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixgen.kernels import CpuKernels
+from radixgen.kernels import ops  # noqa: F401  # defines torch.ops.radixgen's fused ops
 from radixgen.models.config import RopeSpec
 
 # The batch size oneDNN is told to expect when reordering; 64 was the best all-rounder for
@@ -59,6 +59,9 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self._packed: torch.Tensor | None = None
+        self.small_linear_max_tokens = 0
+        """Steps of at most this many tokens run ``small_linear`` over the plain weight (the
+        model runner sets it on CPU; 0: never)."""
 
     def pack(self, keep_plain: bool = True) -> None:
         """Reorder the weight for oneDNN (CPU only). The plain copy stays for ``small_linear``
@@ -68,9 +71,9 @@ class Linear(nn.Module):
         if not keep_plain and self._packed is not None:
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
-        if kernels is not None and x.shape[0] <= kernels.small_linear_max_tokens and self.weight.numel():
-            return kernels.small_linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.small_linear_max_tokens and self.weight.numel():
+            return torch.ops.radixgen.small_linear.default(x, self.weight, self.bias)
         if self._packed is not None:
             rows = x.shape[0]
             padded = padded_rows(rows) if x.dim() == 2 else rows
@@ -91,26 +94,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.multiply_in_float = multiply_in_float
 
-    def forward(self, x: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
-        if kernels is not None:
-            return kernels.rms_norm(x, self.weight, self.eps)
-        # Normalise in float32 and round before the weight multiply, as transformers'
-        # LlamaRMSNorm does, so bf16 rounds the same way; one fused op for the normalisation.
-        if x.dtype == torch.float32:
-            return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        if self.multiply_in_float:
-            return (normed * self.weight.float()).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.radixgen.rms_norm.default(x, self.weight, self.eps, self.multiply_in_float)
 
-    def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, kernels: CpuKernels | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x); the native op updates ``residual`` in place."""
-        if kernels is not None:
-            return kernels.add_rms_norm(x, residual, self.weight, self.eps), residual
-        residual = residual + x
-        return self(residual), residual
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): ``residual`` is updated in place."""
+        return torch.ops.radixgen.add_rms_norm.default(x, residual, self.weight, self.eps, self.multiply_in_float), residual
 
 
 class RotaryEmbedding(nn.Module):
@@ -171,13 +160,9 @@ class GatedMLP(nn.Module):
         self.gate_up = Linear(hidden, 2 * intermediate, bias, dtype)
         self.down = Linear(intermediate, hidden, bias, dtype)
 
-    def forward(self, x: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
-        gate_up = self.gate_up(x, kernels)
-        if kernels is not None and self.act == "silu":
-            return self.down(kernels.silu_mul(gate_up), kernels)
-        gate, up = gate_up.split(self.intermediate, dim=-1)  # 2 x [T, I]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up(x)  # [T, 2I]
         if self.act == "silu":
-            hidden = nn.functional.silu(gate) * up
-        else:
-            hidden = nn.functional.gelu(gate, approximate="tanh") * up
-        return self.down(hidden, kernels)
+            return self.down(torch.ops.radixgen.silu_mul.default(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)  # 2 x [T, I]
+        return self.down(nn.functional.gelu(gate, approximate="tanh") * up)

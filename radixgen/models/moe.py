@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixgen.kernels import CpuKernels
 from radixgen.models.config import MoeSpec
 from radixgen.models.layers import Linear
 
@@ -33,10 +32,10 @@ class SparseMoE(nn.Module):
         self.down.copy_(down.transpose(1, 2))
         self.router.weight.copy_(router)
 
-    def forward(self, x: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_k = self.spec.top_k
         # routing in float32, as transformers does
-        probs = torch.softmax(self.router(x, kernels).float(), dim=-1)
+        probs = torch.softmax(self.router(x).float(), dim=-1)
         weights, experts = torch.topk(probs, top_k, dim=-1)  # [T, k]
         if self.spec.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -12,7 +12,8 @@ activations rounded to 16-bit integers per group of 32 and multiplied with the w
 multiply-adds, so W is read at 0.625 (4-bit) or 1.0625 (8-bit) bytes per weight, in one pass
 for up to 12 tokens, and no float copy is made. One path at every step size keeps a token's
 result independent of the step it runs in (decode, extend, prefill).
-Elsewhere (or without the native ops) the same in PyTorch ops.
+Elsewhere (or without the native ops) ``torch.ops.radixgen.quant_linear`` dequantizes and runs
+``F.linear`` (``kernels/ops.py``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from radixgen.kernels import CpuKernels
+from radixgen.kernels import ops, quant_layout  # noqa: F401  # ops: defines torch.ops.radixgen.quant_linear
 
-GROUP = 32
+GROUP = quant_layout.GROUP
 
 
 @dataclass
@@ -53,17 +54,7 @@ class QuantizedWeight:
         )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        out, in_features = self.shape
-        groups = in_features // GROUP
-        if self.bits == 4:
-            packed = self.qweight.view(out, groups, GROUP // 2)
-            q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
-        else:
-            q = self.qweight.view(out, groups, GROUP).float()
-        w = q * self.scales.float()[..., None]
-        if self.mins.numel():
-            w = w + self.mins.float()[..., None]
-        return w.view(out, in_features).to(dtype)
+        return quant_layout.dequantize(self.qweight, self.scales, self.mins, self.bits, dtype)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
@@ -105,59 +96,15 @@ def quantize(weight: torch.Tensor, bits: int) -> QuantizedWeight:
                            low.contiguous(), 4)
 
 
-BLOCK_ROWS = 16
-
-
-def _chunks(bits: int) -> int:
-    """32-byte chunks per group record: 4 bits, 8 (each byte two nibbles); 8 bits, 16."""
-    return 8 if bits == 4 else 16
-
-
 def interleave(weight: QuantizedWeight) -> torch.Tensor:
-    """The kernel's layout (quant_linear.cpp): rows in blocks of 16 (zero rows pad the last one),
-    per block and group one record of the quantized bytes, the float16 scales and (4 bits) the
-    minimums, so a step reads W as one sequence. uint8 [ceil(out / 16), in / 32, record bytes]."""
-    out, in_features = weight.shape
-    groups, chunks = in_features // GROUP, _chunks(weight.bits)
-    blocks = -(-out // BLOCK_ROWS)
-    pad = blocks * BLOCK_ROWS - out
-
-    def rows_padded(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
-
-    # 4 bits: byte 2c + j of a group holds elements 2c + j (low nibble) and 2c + j + 16 (high);
-    # 8 bits: byte 2p + j is element 2p + j. Either way the record's chunk c takes byte pair c of
-    # all 16 rows.
-    q = rows_padded(weight.qweight.view(torch.uint8)).view(blocks, BLOCK_ROWS, groups, chunks, 2)
-    parts = [q.permute(0, 2, 3, 1, 4).reshape(blocks, groups, chunks * 2 * BLOCK_ROWS)]
-    per_group = [weight.scales]
-    if weight.bits == 4:
-        per_group.append(weight.mins if weight.mins.numel() else torch.zeros_like(weight.scales))
-    for values in per_group:
-        halves = rows_padded(values.to(torch.float16)).view(blocks, BLOCK_ROWS, groups).transpose(1, 2).contiguous()
-        parts.append(halves.view(torch.uint8))
-    return torch.cat(parts, dim=-1).contiguous()
+    """The weight in the native kernel's layout (``kernels/quant_layout.py``)."""
+    return quant_layout.interleave(weight.qweight, weight.scales, weight.mins, weight.bits)
 
 
 def deinterleave(records: torch.Tensor, bits: int, rows: torch.Tensor | None = None) -> QuantizedWeight:
     """``interleave`` undone for the blocks in ``records`` [B, groups, record bytes]: all 16 rows of
     each (rows None: 16 B rows, padding included), or row ``rows[i]`` of block i."""
-    blocks, groups, _ = records.shape
-    chunks = _chunks(bits)
-    qbytes = chunks * 2 * BLOCK_ROWS
-    q = records[..., :qbytes].view(blocks, groups, chunks, BLOCK_ROWS, 2)
-    per_group = [records[..., qbytes + i * 2 * BLOCK_ROWS : qbytes + (i + 1) * 2 * BLOCK_ROWS].contiguous()
-                 .view(torch.float16) for i in range(2 if bits == 4 else 1)]  # [B, groups, 16] each
-    if rows is None:
-        q = q.permute(0, 3, 1, 2, 4).reshape(blocks * BLOCK_ROWS, groups * chunks * 2)
-        per_group = [v.transpose(1, 2).reshape(blocks * BLOCK_ROWS, groups) for v in per_group]
-    else:
-        picked = torch.arange(blocks)
-        q = q[picked, :, :, rows].reshape(blocks, groups * chunks * 2)
-        per_group = [v[picked, :, rows] for v in per_group]
-    qweight = q.contiguous() if bits == 4 else q.contiguous().view(torch.int8)
-    mins = per_group[1] if bits == 4 else torch.empty(0)
-    return QuantizedWeight(qweight, per_group[0].contiguous(), mins.contiguous(), bits)
+    return QuantizedWeight(*quant_layout.deinterleave(records, bits, rows), bits)
 
 
 class QuantizedLinear(nn.Module):
@@ -179,13 +126,10 @@ class QuantizedLinear(nn.Module):
 
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The weight of the selected output rows (embedding lookups)."""
-        return deinterleave(self.packed[index // BLOCK_ROWS], self.bits, index % BLOCK_ROWS)
+        return deinterleave(self.packed[index // quant_layout.BLOCK_ROWS], self.bits, index % quant_layout.BLOCK_ROWS)
 
-    def forward(self, x: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
-        if kernels is not None:
-            y = kernels.quant_linear(x, self.packed, self.out_features, self.bits)
-        else:
-            y = nn.functional.linear(x, self.weight_q.dequantize(x.dtype))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.radixgen.quant_linear.default(x, self.packed, self.out_features, self.bits)
         return y if self.bias is None else y + self.bias
 
     def pack(self, keep_plain: bool = True) -> None:

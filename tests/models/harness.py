@@ -16,16 +16,17 @@ from radixgen.models.attention.cpu import CpuAttention
 class PoolHarness:
     def __init__(
         self, model: CausalLM, num_slots: int = 4096, max_rows: int = 8, max_context_len: int = 1024,
-        kernels: CpuKernels | None = None, attention: str | None = None, attention_kernels: CpuKernels | None = None,
-        padded_prefill: bool = False, device: str = "cpu",
+        attention: str | None = None, attention_kernels: CpuKernels | None = None, padded_prefill: bool = False,
+        device: str = "cpu", small_linear_max_tokens: int = 0,
     ) -> None:
-        """``kernels``: the native ops the forward uses (None: PyTorch ops only).
-        ``attention``: an attention backend by name (``create_backend``); None: the ``cpu``
+        """``attention``: an attention backend by name (``create_backend``); None: the ``cpu``
         backend with ``attention_kernels``' attention kernels (None: its SDPA paths alone),
-        ``padded_prefill`` choosing its one-masked-call prefill."""
+        ``padded_prefill`` choosing its one-masked-call prefill. The fused layer ops run
+        whatever ``torch.ops.radixgen`` dispatches to (the C++ kernels once the extension is
+        loaded in this process); ``small_linear_max_tokens`` as the engine sets it."""
         cfg = model.config
         self.model = model
-        self.kernels = kernels
+        model.set_small_linear_max_tokens(small_linear_max_tokens)
         self.pool = KVPool(
             num_slots=num_slots, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, dtype=model.embed.dtype, device=device, max_rows=max_rows,
@@ -63,18 +64,19 @@ class PoolHarness:
         all_rows = torch.arange(plan.num_tokens, device=device)
         logits = self.model(
             torch.from_numpy(plan.input_ids).to(device), torch.from_numpy(positions).to(device), self.attention,
-            metadata, self.pool.k, self.pool.v, all_rows, self.kernels,
+            metadata, self.pool.k, self.pool.v, all_rows,
         )
         return list(logits.cpu().split(extend.tolist()))
 
 
-PATHS = ["torch", "torch-padded", "native", "native-sdpa", "reference", "triton"]
-"""torch: PyTorch ops alone (the cpu backend's gather + SDPA decode, per-request prefill);
-torch-padded: the same with prefill padded under one mask; native: every CPU kernel the engine
-would use, its default (the prefill-attention kernel in bfloat16 where it is native);
-native-sdpa: the fused layer ops with the cpu backend's SDPA paths; reference: PyTorch ops with
-the ``torch`` attention backend; triton: PyTorch ops with the ``triton`` backend (interpreted on
-a CPU)."""
+PATHS = ["sdpa", "sdpa-padded", "native", "reference", "triton"]
+"""sdpa: the cpu attention backend without its kernels (gather + SDPA decode, per-request
+prefill); sdpa-padded: the same with prefill padded under one mask; native: every CPU kernel
+the engine would use, its default (the small-batch linears, the prefill-attention kernel in
+bfloat16 where it is native); reference: the ``torch`` attention backend; triton: the
+``triton`` backend (interpreted on a CPU). The fused layer ops take the C++ kernels on every
+path once the extension is loaded; ``tests/models/test_native_ops.py`` holds them to their
+PyTorch definitions and runs a model on the definitions alone."""
 
 
 def harness_for(model: CausalLM, path: str) -> PoolHarness:
@@ -82,8 +84,8 @@ def harness_for(model: CausalLM, path: str) -> PoolHarness:
     do not build)."""
     import pytest
 
-    if path.startswith("torch"):
-        return PoolHarness(model, padded_prefill=path == "torch-padded")
+    if path.startswith("sdpa"):
+        return PoolHarness(model, padded_prefill=path == "sdpa-padded")
     if path == "reference":
         return PoolHarness(model, attention="torch")
     if path == "triton":
@@ -91,6 +93,4 @@ def harness_for(model: CausalLM, path: str) -> PoolHarness:
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("the CPU kernels do not build here")
-    if path == "native":
-        return PoolHarness(model, kernels=kernels, attention_kernels=kernels)
-    return PoolHarness(model, kernels=kernels)
+    return PoolHarness(model, attention_kernels=kernels, small_linear_max_tokens=2)

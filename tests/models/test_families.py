@@ -92,7 +92,7 @@ def test_prefill_and_decode_match_transformers(references: _Cached, ours_fp32: _
     assert ref.abs().max() > 1.0, "logits too small for the tolerance to mean anything"
 
 
-@pytest.mark.parametrize(("name", "path"), _family_paths(["torch", "torch-padded", "native", "reference", "triton"]))
+@pytest.mark.parametrize(("name", "path"), _family_paths(["sdpa", "sdpa-padded", "native", "reference", "triton"]))
 def test_extend_over_cached_prefix_batched_with_a_fresh_prefill(name: str, path: str) -> None:
     """Built from transformers' in-memory state dict (transformers 5's stacked expert layout,
     where the folder holds the hub's per-expert one). Two requests extend cached prefixes while a

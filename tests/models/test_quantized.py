@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from radixgen.kernels import cpu_kernels
+from radixgen.kernels import cpu_kernels, ops
 from radixgen.models.gguf_weights import _repack
 from radixgen.models.quantized import (
     QuantizedLinear,
@@ -38,16 +38,17 @@ def test_kernel_matches_the_dequantized_float_linear(kernels: Any, bits: int, ou
     linear = QuantizedLinear(weight, bias)
     x = torch.randn(tokens, inp).to(dtype)
     reference = (x.float() @ weight.dequantize().T + bias.float())
-    got = linear(x, kernels)
+    got = linear(x)
     assert got.dtype == dtype and got.shape == (tokens, out)
     scale = reference.abs().amax() + 1
     # float32: each activation is within 2^-16 of its group's largest (measured up to 1.3e-4 here,
     # a float GEMM 5e-7); bf16: the output's rounding
     tolerance = 3e-4 if dtype == torch.float32 else 2e-2
     assert ((got.float() - reference).abs() / scale).max() < tolerance
-    # the PyTorch path (other devices) agrees, to accumulation order
+    # the op's PyTorch definition (other devices) agrees, to accumulation order
     torch_tolerance = 1e-4 if dtype == torch.float32 else tolerance
-    torch.testing.assert_close(linear(x).float(), reference, atol=float(scale) * torch_tolerance, rtol=0)
+    defined = ops.quant_linear(x, linear.packed, out, bits) + bias
+    torch.testing.assert_close(defined.float(), reference, atol=float(scale) * torch_tolerance, rtol=0)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -56,9 +57,9 @@ def test_a_tokens_result_does_not_depend_on_the_tokens_beside_it(kernels: Any, b
     extend must give the logits the decode step would have."""
     linear = QuantizedLinear(_random_weight(bits, 300, 576, seed=bits), None)
     x = torch.randn(29, 576, generator=torch.Generator().manual_seed(1))
-    alone = torch.cat([linear(x[i : i + 1], kernels) for i in range(29)])
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(29)])
     for tokens in (2, 3, 5, 11, 12, 13, 29):  # passes of up to 12 tokens: one, one full, several
-        assert torch.equal(linear(x[:tokens], kernels), alone[:tokens]), tokens
+        assert torch.equal(linear(x[:tokens]), alone[:tokens]), tokens
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -146,7 +147,7 @@ def test_a_quantized_gguf_runs_quantized_and_equals_its_dequantized_float_copy(
     assert quantized.model.decoder_layers()[0].mlp.gate_up.bits == (8 if kind == "Q8_0" else 4)
     dequantized = load_model(path, weights="float").model
     ids = list(range(7, 67))
-    outs = [PoolHarness(m, kernels=kernels, attention_kernels=kernels).extend(
+    outs = [PoolHarness(m, attention_kernels=kernels).extend(
         [(0, ids)])[0] for m in (quantized.model, dequantized)]
     torch.testing.assert_close(outs[0], outs[1], atol=1e-3, rtol=0)
     # the converted folder stays a checkpoint other tools load: vLLM takes every top-level *.safetensors
@@ -190,7 +191,7 @@ def test_the_bundled_model_runs_as_int4_close_to_its_dequantized_float_copy(toke
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                              tokenize=False)
         ids = tokenizer.encode(text, add_special_tokens=False)
-        got, want = (PoolHarness(m.model, kernels=kernels, attention_kernels=kernels)
+        got, want = (PoolHarness(m.model, attention_kernels=kernels)
                      .extend([(0, ids)])[0] for m in (quantized, dequantized))
         torch.testing.assert_close(got, want, atol=5e-2, rtol=0)
     del dequantized

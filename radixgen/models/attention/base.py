@@ -2,8 +2,12 @@
 
 A step's attention has two halves. Once per step, ``prepare`` turns the host plan
 (``AttentionBatch``: numpy arrays the scheduler built) into whatever the backend's kernels read,
-on the model's device; the backend owns those tensors. Then every layer calls ``forward`` with
-its queries and, where the model has not already written them, its new keys and values.
+on the model's device; the backend owns those tensors. The model runner splits it in two so
+that the step's inputs go up in one copy: ``host_arrays`` names the arrays the backend needs on
+the device, the runner uploads them with the model's own inputs (``radixgen.staging.upload``),
+and ``prepare_uploaded`` builds the metadata from the uploaded tensors. Then every layer calls
+``forward`` with its queries and, where the model has not already written them, its new keys
+and values.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from radixgen.staging import upload
 
 
 @dataclass(frozen=True)
@@ -101,9 +107,20 @@ class AttentionBackend(ABC):
     """
 
     name: str
+    device: torch.device
+
+    def host_arrays(self, batch: AttentionBatch) -> list[np.ndarray]:
+        """The arrays ``prepare_uploaded`` needs on the device, in its order (none by default)."""
+        return []
 
     @abstractmethod
-    def prepare(self, batch: AttentionBatch) -> AttentionMetadata: ...
+    def prepare_uploaded(self, batch: AttentionBatch, uploaded: list[torch.Tensor]) -> AttentionMetadata:
+        """The step's metadata; ``uploaded``: ``host_arrays(batch)`` on the device. Reads nothing
+        back from the device."""
+
+    def prepare(self, batch: AttentionBatch) -> AttentionMetadata:
+        """``prepare_uploaded`` with the backend's arrays uploaded on their own."""
+        return self.prepare_uploaded(batch, upload(self.host_arrays(batch), self.device))
 
     @abstractmethod
     def forward(

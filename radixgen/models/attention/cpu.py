@@ -438,7 +438,8 @@ class CpuAttention(AttentionBackend):
         self.prefill_kernel = kernels.prefill_attention_for(dtype) if kernels else None
         self.shared_prefix_kernel = kernels.shared_prefix_attention_for(dtype, head_dim) if kernels else None
 
-    def prepare(self, batch: AttentionBatch) -> AttentionPlan:
+    def prepare_uploaded(self, batch: AttentionBatch, uploaded: list[torch.Tensor]) -> AttentionPlan:
+        # CPU only: the plan's tensors share the host arrays' memory, nothing is copied
         return build_attention_plan(
             batch, self.req_to_token, self.device, self.dtype, self.decode_kernel,
             per_request_prefill=not self.padded_prefill, prefill_kernel=self.prefill_kernel,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -48,16 +49,19 @@ class TorchAttention(AttentionBackend):
 
     def __init__(self, req_to_token: torch.Tensor) -> None:
         self.req_to_token = req_to_token
+        self.device = req_to_token.device
 
-    def prepare(self, batch: AttentionBatch) -> ReferenceMetadata:
-        device = self.req_to_token.device
+    def host_arrays(self, batch: AttentionBatch) -> list[np.ndarray]:
+        return [batch.out_cache_loc]
+
+    def prepare_uploaded(self, batch: AttentionBatch, uploaded: list[torch.Tensor]) -> ReferenceMetadata:
         spans = []
         start = 0
         for row, prefix, length in zip(batch.rows.tolist(), batch.prefix_lens.tolist(), batch.extend_lens.tolist(),
                                        strict=True):
             spans.append(RequestSpan(start, length, prefix, self.req_to_token[row, : prefix + length]))
             start += length
-        return ReferenceMetadata(torch.from_numpy(batch.out_cache_loc).to(device, non_blocking=True), spans)
+        return ReferenceMetadata(uploaded[0], spans)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,

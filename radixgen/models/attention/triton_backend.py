@@ -54,28 +54,27 @@ class TritonAttention(AttentionBackend):
         self.req_to_token = req_to_token
         self.device = req_to_token.device
 
-    def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """The step's index arrays in one host buffer (pinned on CUDA) and one copy."""
-        sizes = [len(a) for a in arrays]
-        host = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays]))
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        return list(host.to(self.device, non_blocking=True).split(sizes))
+    def _decode_entries(self, batch: AttentionBatch) -> tuple[np.ndarray, np.ndarray]:
+        """(req_to_token row, keys) of each decode query: one per row, or one per drafted token
+        (a draft token is a decode query at its own position over keys already in the pool)."""
+        if batch.is_decode:
+            return batch.rows, batch.seq_lens
+        return np.repeat(batch.rows, batch.extend_lens), batch.positions + 1
 
-    def prepare(self, batch: AttentionBatch) -> TritonMetadata:
+    def host_arrays(self, batch: AttentionBatch) -> list[np.ndarray]:
         if batch.is_decode or batch.is_draft:
-            # a draft token is a decode query at its own position over keys already in the pool
-            if batch.is_decode:
-                rows, seq_lens = batch.rows, batch.seq_lens
-            else:
-                rows, seq_lens = np.repeat(batch.rows, batch.extend_lens), batch.positions + 1
-            max_seq_len = int(seq_lens.max())
-            out_cache_loc, rows_d, seq_lens_d = self._upload(batch.out_cache_loc, rows, seq_lens)
+            return [batch.out_cache_loc, *self._decode_entries(batch)]
+        q_starts = np.cumsum(batch.extend_lens) - batch.extend_lens
+        return [batch.out_cache_loc, batch.rows, batch.prefix_lens, batch.extend_lens, q_starts]
+
+    def prepare_uploaded(self, batch: AttentionBatch, uploaded: list[torch.Tensor]) -> TritonMetadata:
+        if batch.is_decode or batch.is_draft:
+            rows, seq_lens = self._decode_entries(batch)
+            max_seq_len = int(seq_lens.max())  # host arrays: grid sizes never come from the device
+            out_cache_loc, rows_d, seq_lens_d = uploaded
             return TritonMetadata(out_cache_loc, rows_d, True, seq_lens=seq_lens_d, max_seq_len=max_seq_len,
                                   num_splits=decode_splits(max_seq_len, len(rows)))
-        q_starts = np.cumsum(batch.extend_lens) - batch.extend_lens
-        out_cache_loc, rows_d, prefix_d, extend_d, starts_d = self._upload(
-            batch.out_cache_loc, batch.rows, batch.prefix_lens, batch.extend_lens, q_starts)
+        out_cache_loc, rows_d, prefix_d, extend_d, starts_d = uploaded
         return TritonMetadata(out_cache_loc, rows_d, False, prefix_lens=prefix_d, extend_lens=extend_d,
                               q_starts=starts_d, max_extend=int(batch.extend_lens.max()))
 

@@ -1,0 +1,86 @@
+"""A step uploads its inputs once and reads its results back once (radixgen/staging.py); between
+the two it must not read the device: on a GPU each such read waits for every kernel queued
+before it. Here (CPU) the reads are counted by patching torch's reading calls during a step."""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import radixgen.engine.model_runner as model_runner
+from radixgen import Engine, SamplingParams
+from radixgen.staging import ReadBack
+
+READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.fixture
+def device_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Records each reading call the engine thread makes between a step's upload and its read-back."""
+    state: dict[str, Any] = {"active": False, "steps": 0, "reads": []}
+    upload = model_runner.upload
+
+    def step_upload(*args: Any) -> list[torch.Tensor]:
+        uploaded = upload(*args)
+        state["active"] = threading.current_thread().name.startswith("radixgen-engine")
+        return uploaded
+
+    wait = ReadBack.wait
+
+    def read_back(self: ReadBack) -> Any:
+        if state["active"]:
+            state["active"] = False
+            state["steps"] += 1
+        return wait(self)
+
+    monkeypatch.setattr(model_runner, "upload", step_upload)
+    monkeypatch.setattr(ReadBack, "wait", read_back)
+    for name in READS:
+        real = getattr(torch.Tensor, name)
+
+        def guarded(self: torch.Tensor, *args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            if state["active"] and threading.current_thread().name.startswith("radixgen-engine"):
+                state["reads"].append(f"{_name}: {''.join(traceback.format_stack(limit=4)[:-1])}")
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, guarded)
+    return state
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])  # (the interpreter behind triton on CPU copies to the host)
+def test_plain_steps_read_nothing_between_upload_and_read_back(make_engine: Callable[..., Engine],
+                                                              device_reads: dict[str, Any], backend: str) -> None:
+    engine = make_engine(attention_backend=backend)
+    params = [
+        SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_new_tokens=12, temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, seed=3, ignore_eos=True),
+        SamplingParams(max_new_tokens=12, temperature=0.7, seed=4, ignore_eos=True, logprobs=True, top_logprobs=3),
+        SamplingParams(max_new_tokens=12, temperature=0.7, seed=5, ignore_eos=True, repetition_penalty=1.3,
+                       frequency_penalty=0.5, presence_penalty=0.2),
+        SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, logit_bias={42: 5.0}, min_new_tokens=4),
+    ]
+    outs = engine.generate(["one", "two", "three", "four", "five"], params)
+    assert all(len(o.token_ids) == 12 for o in outs)
+    assert device_reads["steps"] >= 12, "every step should have uploaded and read back"
+    assert not device_reads["reads"], "\n".join(device_reads["reads"][:3])
+
+
+def test_the_guard_sees_a_read(make_engine: Callable[..., Engine], device_reads: dict[str, Any],
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above can fail: a forward that reads a tensor back is caught."""
+    engine = make_engine()
+    forward = engine.runner.model.forward
+
+    def reading_forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        logits = forward(*args, **kwargs)
+        logits.max().item()
+        return logits
+
+    monkeypatch.setattr(engine.runner.model, "forward", reading_forward)
+    engine.generate("one", SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))
+    assert any(read.startswith("item") for read in device_reads["reads"])
