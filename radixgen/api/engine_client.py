@@ -186,8 +186,8 @@ class EngineClient:
         # a PUSH socket without a live peer blocks the send: a dead engine held the server's
         # shutdown until its supervisor killed it (30 s in the tests)
         if self._process is not None and self._process.is_alive():
-            if self._ctx is None:  # launched, never started: nothing to drain
-                self._process.terminate()
+            if self._ctx is None:  # launched, never started: nothing to drain (it ignores SIGTERM)
+                self._process.kill()
             else:
                 with contextlib.suppress(zmq.ZMQError, asyncio.TimeoutError):
                     await asyncio.wait_for(self._to_engine.send_pyobj(("shutdown", None)), _SHUTDOWN_SEND_S)

@@ -55,6 +55,10 @@ class StepPlan:
     num_decode: int = 0
     """Prefill only: the last ``num_decode`` requests are running requests decoding one token
     in this step alongside the prefill (a mixed step); their tokens come last."""
+    bitmask: np.ndarray | None = None
+    """[B, vocab / 32] int32 grammar bitmask of the sampled rows, filled on the host before the
+    forward (steps without forced tokens or drafts to verify); the model runner uploads it with
+    the step's inputs and applies it to the logits on the device."""
 
     @property
     def batch_size(self) -> int:

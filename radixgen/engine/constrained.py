@@ -9,6 +9,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 
 from radixgen.config import EngineConfig
@@ -141,6 +142,11 @@ class ConstrainedDecoding:
 
     def bitmask(self, plan: StepPlan) -> torch.Tensor | None:
         """Allowed-token rows for this step's constrained requests that sample (None if none)."""
+        mask = self.host_bitmask(plan)
+        return None if mask is None else torch.from_numpy(mask).to(self.device)
+
+    def host_bitmask(self, plan: StepPlan) -> np.ndarray | None:
+        """``bitmask`` on the host [B, vocab / 32] int32 (a buffer reused by the next step)."""
         rows = [i for i, r in enumerate(plan.requests)
                 if r.matcher is not None and (plan.sample_mask is None or plan.sample_mask[i])]
         if not rows:
@@ -165,7 +171,7 @@ class ConstrainedDecoding:
                 req.dead_end = (
                     "the validators rejected every token that could continue the output here" if banned else
                     _DEAD_END)
-        return torch.from_numpy(mask).to(self.device)
+        return mask
 
     def verify_drafts(self, plan: StepPlan, logits: torch.Tensor, sampling: SamplingBatch, penalties: PenaltyState
                       ) -> tuple[torch.Tensor, dict[int, Verdict]]:

@@ -366,8 +366,15 @@ class Engine:
                 "pid": os.getpid(), "model": self.config.model}
 
     def stats_snapshot(self) -> dict[str, Any]:
-        """KV accounting and scheduler counters, read consistently on the engine thread."""
-        return self.run_on_loop(lambda: {**self.kv_accounting_unlocked(), **self.scheduler.stats.snapshot()})
+        """KV accounting and scheduler counters, read consistently on the engine thread. The
+        queue and running counts are read now, not from the last step: an engine that went idle
+        after an abort takes no step that would record them."""
+        def read() -> dict[str, Any]:
+            planner = self.scheduler.planner
+            now = {"queue_depth": len(planner.waiting), "running": len(planner.running)}
+            return {**self.kv_accounting_unlocked(), **self.scheduler.stats.snapshot(), **now}
+
+        return self.run_on_loop(read)
 
     @property
     def dead_reason(self) -> str | None:

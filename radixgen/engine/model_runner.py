@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from radixgen.config import AttentionBackend, EngineConfig
+from radixgen.constraints.mask import apply_bitmask
 from radixgen.engine.batch import StepPlan
 from radixgen.engine.kv_pool import KVPool
 from radixgen.kernels import CpuKernels, cpu_kernels
@@ -137,11 +138,16 @@ class ModelRunner:
         if plan.prompt_scoring is not None:
             last = np.concatenate([last, plan.prompt_scoring.token_index])
         batch = plan.attention_batch()
-        # the step's inputs and the attention backend's index arrays in one copy
-        input_ids, positions, logits_index, *attention_arrays = upload(
-            [plan.input_ids, plan.positions, last, *self.attention.host_arrays(batch)], self.device)
+        # the step's inputs, the attention backend's index arrays and the grammar bitmask in one copy
+        masks = [] if plan.bitmask is None else [plan.bitmask]
+        input_ids, positions, logits_index, *rest = upload(
+            [plan.input_ids, plan.positions, last, *masks, *self.attention.host_arrays(batch)], self.device)
+        bitmask, attention_arrays = (rest[0], rest[1:]) if masks else (None, rest)
         metadata = self.attention.prepare_uploaded(batch, attention_arrays)
-        return self.model(input_ids, positions, self.attention, metadata, self.pool.k, self.pool.v, logits_index)
+        logits = self.model(input_ids, positions, self.attention, metadata, self.pool.k, self.pool.v, logits_index)
+        if bitmask is not None:  # in place, before penalties and bias, which keep -inf as it is
+            apply_bitmask(logits[: plan.batch_size], bitmask)
+        return logits
 
 
 def split_prompt_scores(plan: StepPlan, logits: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:

@@ -40,6 +40,12 @@ def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: 
                         format="%(asctime)s %(levelname)s engine %(name)s: %(message)s")
     if not listen:
         _exit_with_parent(os.getppid())
+        # The server decides when this process ends (after its drain, with a shutdown message).
+        # A SIGTERM or SIGINT sent to the whole process group (a terminal's Ctrl-C, a service
+        # manager stopping the group) must not kill the engine under a draining server, which
+        # would then fail what it was finishing and start a new engine.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
     stop = threading.Event()
     if listen:  # SIGTERM / SIGINT: stop serving (what runs is aborted), exit 0
         for sig in (signal.SIGTERM, signal.SIGINT):

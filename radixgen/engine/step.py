@@ -39,6 +39,10 @@ class StepPipeline:
                     # first chunk since admission: (re)build the penalty counts of its row
                     if req.params.has_penalties and plan.prefix_lens[i] == req.prefix_len:
                         self.sampler.penalties.reset_row(req.pool_row, req.prompt_ids, req.output_ids)
+            # the grammar masks of a plain step are known before its forward: they go up with its inputs
+            early_mask = plan.draft_lens is None and plan.verify_counts is None
+            if early_mask:
+                plan.bitmask = self.constraints.host_bitmask(plan)
             with torch.inference_mode():  # logits are inference tensors; sampling edits them in place
                 logits = self.runner.forward(plan)
                 if plan.prompt_scoring is not None:
@@ -52,7 +56,7 @@ class StepPipeline:
                     if plan.verify_counts is not None:
                         logits = self.constraints.verify_forced(plan, logits)
                     sampling = self.sampling_batches.get(plan)
-                result = self.sampler(logits, sampling, self.constraints.bitmask(plan))
+                result = self.sampler(logits, sampling, None if early_mask else self.constraints.bitmask(plan))
         except Exception as e:  # an internal fault fails this step's requests, not the engine
             logger.exception("step failed")
             self.scheduler.fail_step(plan, f"internal error: {type(e).__name__}: {e}")

@@ -241,12 +241,18 @@ def test_a_client_that_gives_up_on_a_whole_answer_aborts_it(server: LiveServer, 
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("radixgen_requests_total{") and 'status="499"' in line)
 
+    def gauge(name: str) -> float:
+        text = httpx.get(server.url + "/metrics").text
+        return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
     before = disconnects()
     asyncio.run(give_up())
     given_up = time.monotonic()
     stats = server.wait_idle(timeout=5)
     assert stats["active_requests"] == 0 and time.monotonic() - given_up < 3
     assert disconnects() == before + 1
+    # the engine went idle without another step: the gauges read its state now, not its last step's
+    assert gauge("radixgen_running_requests") == 0 and gauge("radixgen_queue_depth") == 0
 
 
 def test_the_engine_process_keeps_its_startup_objects_out_of_the_collectors_view(server: LiveServer) -> None:
@@ -365,6 +371,36 @@ def test_sigterm_drains_then_exits_cleanly(start_server: Callable[..., LiveServe
     assert '"code":503' in events[-1] and "shutting down" in events[-1], events[-1:]
     assert 1.2 < waited < 10, waited
     assert srv.proc.wait(20) == 0, srv.output()[-2000:]
+    srv.stop()
+
+
+def test_sigterm_to_the_whole_process_group_drains_without_restarting_the_engine(
+    start_server: Callable[..., LiveServer],
+) -> None:
+    """A service manager or a terminal signals the server and its engine process together: the
+    engine keeps serving the drain (the request in flight gets its answer), and the server stops
+    it once, exiting 0, without starting a new one."""
+    srv = start_server("--shutdown-timeout", "20")
+    engine = srv.stats()["engine_pid"]
+
+    async def scenario() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=60) as http:
+            request = asyncio.create_task(http.post(srv.url + "/v1/completions",
+                                                    json={"prompt": "go", "max_tokens": 60, "ignore_eos": True}))
+            await _until_active(srv, 1, unless=request)
+            os.kill(engine, signal.SIGTERM)
+            srv.proc.send_signal(signal.SIGTERM)
+            return await request
+
+    answered = asyncio.run(scenario())
+    assert answered.status_code == 200 and answered.json()["usage"]["completion_tokens"] == 60
+    assert srv.proc.wait(30) == 0, srv.output()[-2000:]
+    log = srv.output()
+    assert "restarting the engine process" not in log and "engine process exited" not in log, log[-2000:]
+    deadline = time.monotonic() + 10
+    while _running(engine):
+        assert time.monotonic() < deadline, "the engine process outlived its server"
+        time.sleep(0.2)
     srv.stop()
 
 

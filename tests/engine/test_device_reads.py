@@ -53,7 +53,7 @@ def device_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])  # (the interpreter behind triton on CPU copies to the host)
-def test_plain_steps_read_nothing_between_upload_and_read_back(make_engine: Callable[..., Engine],
+def test_steps_read_nothing_between_upload_and_read_back(make_engine: Callable[..., Engine],
                                                               device_reads: dict[str, Any], backend: str) -> None:
     engine = make_engine(attention_backend=backend)
     params = [
@@ -63,9 +63,12 @@ def test_plain_steps_read_nothing_between_upload_and_read_back(make_engine: Call
         SamplingParams(max_new_tokens=12, temperature=0.7, seed=5, ignore_eos=True, repetition_penalty=1.3,
                        frequency_penalty=0.5, presence_penalty=0.2),
         SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, logit_bias={42: 5.0}, min_new_tokens=4),
+        # a constrained row: its grammar mask goes up with the step's inputs
+        SamplingParams(max_new_tokens=12, temperature=0.8, seed=6, regex=r"[a-z]{4,20}"),
     ]
-    outs = engine.generate(["one", "two", "three", "four", "five"], params)
-    assert all(len(o.token_ids) == 12 for o in outs)
+    outs = engine.generate(["one", "two", "three", "four", "five", "six"], params)
+    assert all(len(o.token_ids) == 12 for o in outs[:5])
+    assert outs[5].text.isalpha() and outs[5].text.islower(), outs[5].text
     assert device_reads["steps"] >= 12, "every step should have uploaded and read back"
     assert not device_reads["reads"], "\n".join(device_reads["reads"][:3])
 
