@@ -78,6 +78,10 @@ class Backend:
     def close(self) -> None:
         pass
 
+    def shutdown(self) -> None:
+        """``close`` under the name SGLang's ``Runtime`` and radixgen's ``Engine`` use."""
+        self.close()
+
     def __enter__(self) -> Backend:
         return self
 

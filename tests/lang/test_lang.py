@@ -192,3 +192,20 @@ def test_json_gen_finishes_within_its_budget(runtime: Runtime) -> None:
     for state in states:
         assert set(state["triage"]) == {"component", "severity"} and 1 <= state["triage"]["severity"] <= 5
     assert any(state.meta("triage")["shortened"] for state in states)
+
+
+def test_a_runtime_owning_its_engine_shuts_it_down(tiny_model_dir: Any) -> None:
+    """``shutdown`` (SGLang's name) and ``close`` both stop the engine a Runtime started; an
+    engine handed in is left running."""
+    from radixgen import Engine, EngineConfig
+
+    rt = Runtime(model=str(tiny_model_dir), kv_cache_tokens=2048, max_context_len=512)
+    engine = rt.engine
+    rt.shutdown()
+    assert engine.dead_reason == "shut down"
+    shared = Engine(EngineConfig(model=str(tiny_model_dir), kv_cache_tokens=2048, max_context_len=512))
+    try:
+        Runtime(engine=shared).shutdown()
+        assert shared.dead_reason is None
+    finally:
+        shared.shutdown()
