@@ -34,20 +34,13 @@ from radixgen.engine.sampler import PenaltyState, SamplingBatch
 from radixgen.engine.speculative import Verdict, verify
 from radixgen.engine.steering import BudgetSteering
 from radixgen.errors import InvalidParamsError
+from radixgen.staging import ReadBack, upload
 
 logger = logging.getLogger(__name__)
 
 _SHORTEST_CACHE_SIZE = 1024
 _DEAD_END = ("the constraint reached a state that no token of this model can continue (it may need "
              "characters the tokenizer cannot produce): simplify the constraint")
-
-
-def _logprobs_of(logits: torch.Tensor, token_id: int, top: int) -> tuple[float, list[tuple[int, float]]]:
-    """The model's log-probability of ``token_id`` from one row of logits, and its top ``top``."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    best = torch.topk(logprobs, top) if top else None
-    pairs = list(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best is not None else []
-    return float(logprobs[token_id]), pairs
 
 
 class ConstrainedDecoding:
@@ -181,31 +174,58 @@ class ConstrainedDecoding:
     def verify_forced(self, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
         """Check jump-forward's forced tokens against the model's greedy choice under the mask,
         position by position; at the first difference, record the model's token instead (the
-        scheduler drops the rest). Returns the logits of the last positions only."""
+        scheduler drops the rest). Returns the logits of the last positions only.
+
+        The masks of every verified position are filled on the host first (each matcher walked
+        back over its forced tokens and forward again), applied on the device, and the choices
+        with their log-probabilities come back in one read."""
         assert plan.verify_counts is not None
         batch = plan.batch_size
-        extra = logits[batch:]
+        counts = plan.verify_counts.tolist()
+        total = sum(counts)
+        masks = np.full((total, self._bitmask.shape[1]), ALL_ALLOWED, dtype=self._bitmask.dtype)
         row = 0
-        mask = self._bitmask[:1]
-        for i, m in enumerate(plan.verify_counts.tolist()):
+        for i, m in enumerate(counts):
             if not m:
                 continue
             req = plan.requests[i]
             matcher = req.matcher
             assert matcher is not None
-            forced = req.output_ids[len(req.output_ids) - m :]
             matcher.rollback(m)
+            for j, tok in enumerate(req.output_ids[len(req.output_ids) - m :]):
+                matcher.fill_bitmask(masks, row + j)
+                accepted = matcher.accept(tok)
+                assert accepted is not False, "a forced token the matcher had accepted was refused"
+            row += m
+        positions = logits[batch : batch + total]
+        (device_masks,) = upload([masks], positions.device)
+        scores = positions.clone()
+        apply_bitmask(scores, device_masks)
+        choices = scores.argmax(dim=-1)
+        logprobs = torch.log_softmax(positions.float(), dim=-1)
+        chosen = logprobs.gather(1, choices[:, None]).squeeze(1)
+        top = max((plan.requests[i].params.top_logprobs for i, m in enumerate(counts) if m), default=0)
+        best = torch.topk(logprobs, top, dim=-1) if top else None
+        host = ReadBack([choices, chosen, None if best is None else best.indices,
+                         None if best is None else best.values]).wait()
+        choice_ids, chosen_lp, top_ids, top_lp = host
+        assert choice_ids is not None and chosen_lp is not None
+        row = 0
+        for i, m in enumerate(counts):
+            if not m:
+                continue
+            req = plan.requests[i]
+            forced = req.output_ids[len(req.output_ids) - m :]
             for j, tok in enumerate(forced):
-                mask.fill(ALL_ALLOWED)
-                matcher.fill_bitmask(mask, 0)
-                scores = extra[row + j : row + j + 1].clone()
-                apply_bitmask(scores, torch.from_numpy(mask).to(scores.device))
-                choice = int(scores.argmax())
+                choice = int(choice_ids[row + j])
                 if choice != tok:
-                    req.forced_mismatch = (len(req.output_ids) - m + j, choice,
-                                           _logprobs_of(extra[row + j], choice, req.params.top_logprobs))
+                    assert req.matcher is not None
+                    req.matcher.rollback(m - j)  # back to the state before the first token that differs
+                    n = req.params.top_logprobs
+                    pairs = ([] if not n or top_ids is None or top_lp is None else
+                             list(zip(top_ids[row + j, :n].tolist(), top_lp[row + j, :n].tolist(), strict=True)))
+                    req.forced_mismatch = (len(req.output_ids) - m + j, choice, (float(chosen_lp[row + j]), pairs))
                     break
-                matcher.accept(tok)
             row += m
         return logits[:batch]
 

@@ -68,15 +68,17 @@ class SamplingBatch:
     min_tokens: np.ndarray | None = None  # [M] their min_new_tokens
     min_counters: np.ndarray | None = None  # [M] tokens generated so far (host copy of counters)
     min_banned: list[torch.Tensor] | None = None  # per min row: EOS and its stop token ids
+    penalized_host: np.ndarray | None = None  # [P] ``penalized`` on the host
+    biased_host: np.ndarray | None = None  # batch rows with a logit bias (host)
 
     def bias_positions(self, positions: torch.Tensor, i: int) -> torch.Tensor:
         """Batch row ``i``'s logit bias added to each of its positions."""
         if self.bias_index is None:
             return positions
         assert self.bias_values is not None
-        mine = self.bias_index[0] == i
-        if not bool(mine.any()):
+        if self.biased_host is None or i not in self.biased_host:  # decided on the host: no device read
             return positions
+        mine = self.bias_index[0] == i
         positions = positions.clone()
         positions[:, self.bias_index[1][mine]] += self.bias_values[mine]
         return positions
@@ -174,6 +176,8 @@ class SamplingBatch:
             bias_values=uploaded[bias[2]] if bias else None,
             min_rows=min_rows, min_tokens=min_tokens, min_counters=min_counters,
             min_banned=[uploaded[i] for i in banned] if banned else None,
+            penalized_host=penalized.astype(np.int64) if has_penalties else None,
+            biased_host=np.array(biased, dtype=np.int64) if biased else None,
         )
 
 
@@ -263,12 +267,14 @@ class PenaltyState:
         assert batch.penalized is not None and batch.repetition is not None
         assert batch.frequency is not None and batch.presence is not None
         assert self.output_counts is not None and self.prompt_mask is not None, "penalty row not reset"
-        p = int((batch.penalized == i).nonzero()[0, 0])
+        assert batch.penalized_host is not None
+        p = int(np.flatnonzero(batch.penalized_host == i)[0])
         row = batch.rows[i]
         drafted = torch.zeros(positions.shape, dtype=torch.int32, device=positions.device)
         if draft:
             steps = torch.arange(1, len(draft) + 1, device=positions.device)
-            drafted[steps, torch.tensor(draft, dtype=torch.int64, device=positions.device)] = 1
+            (draft_ids,) = upload([np.array(draft, dtype=np.int64)], positions.device)
+            drafted[steps, draft_ids] = 1
         counts = self.output_counts[row][None, :] + drafted.cumsum(dim=0, dtype=torch.int32)
         return _penalize(positions, counts, self.prompt_mask[row][None, :], batch.repetition[p], batch.frequency[p],
                          batch.presence[p])

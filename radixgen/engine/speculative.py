@@ -39,6 +39,7 @@ from radixgen.engine.batch import StepKind, StepPlan
 from radixgen.engine.outputs import forced_token_ids
 from radixgen.engine.request import Request
 from radixgen.engine.sampler import PenaltyState, SamplingBatch, sample_rows
+from radixgen.staging import ReadBack, upload
 
 # After this many drafted tokens, a request whose drafts were accepted less often than they
 # must be to pay (DraftCost.break_even; _GIVE_UP_BELOW until the engine has measured it) stops
@@ -269,14 +270,17 @@ def verify(plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch, penalties
     positions before each of its drafts (``ModelRunner.forward``). Returns the batch's rows and
     a verdict per speculative row. ``batch``: the step's sampling parameters, ``penalties``
     the sampler's token counts (a position's penalties count the drafts before it); ``bitmask``: a
-    one-row host buffer for constrained rows; ``dead_end``: why a constrained row whose mask
-    allows nothing cannot go on."""
+    one-row host buffer (its width: the masks'); ``dead_end``: why a constrained row whose mask
+    allows nothing cannot go on.
+
+    Every position's choice (and log-probabilities, where asked for) is computed on the device
+    first, constrained rows' masks filled on the host by walking their automaton over the draft;
+    then one read brings them all back, and the verdicts are decided on the host."""
     assert plan.draft_lens is not None
     rows = plan.batch_size
-    last_choice = logits[:rows].argmax(dim=-1).tolist()
     extra = logits[rows:]
-    extra_choice = extra.argmax(dim=-1).tolist() if extra.shape[0] else []
-    verdicts: dict[int, Verdict] = {}
+    checks: list[_RowCheck] = []
+    device_parts: list[torch.Tensor | None] = [logits[:rows].argmax(dim=-1), extra.argmax(dim=-1)]
     row = 0
     for i, k in enumerate(plan.draft_lens.tolist()):
         if not k:
@@ -286,49 +290,163 @@ def verify(plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch, penalties
         assert state is not None and len(state.draft) == k
         greedy = bool(batch.is_greedy[i])
         adjusted = req.params.has_penalties or bool(req.params.logit_bias)
-        wants_logprobs = bool(req.params.logprobs or req.params.top_logprobs)
-        if greedy and req.matcher is None and not adjusted and not wants_logprobs:
-            # the common case: the argmaxes of the whole step, no copy of this row's logits
-            choices = [*extra_choice[row : row + k], last_choice[i]]
-            accepted = 0
-            while accepted < k and choices[accepted] == state.draft[accepted]:
-                accepted += 1
-            verdicts[i] = Verdict(state.draft[:accepted], choices[accepted])
-            row += k
-            continue
-        positions = torch.cat([extra[row : row + k], logits[i : i + 1]])
+        top = req.params.top_logprobs if (req.params.logprobs or req.params.top_logprobs) else None
+        check = _RowCheck(i, row, k, state.draft, top)
+        checks.append(check)
+        row += k
+        if greedy and req.matcher is None and not adjusted and top is None:
+            continue  # the common case: the argmaxes of the whole step, no copy of this row's logits
+        positions = torch.cat([extra[check.extra_start : check.extra_start + k], logits[i : i + 1]])
         # what the sampler does to a decode step's logits before it chooses
         if req.params.has_penalties:
             positions = penalties.apply_positions(positions, batch, i, state.draft)
         positions = batch.bias_positions(positions, i)
-        if req.matcher is None:
-            if greedy:
-                choices = positions.argmax(dim=-1).tolist()
+        if req.matcher is not None:
+            check.walk, masks = _walk_automaton(req, state.draft, bitmask.shape[1], dead_end)
+            first = positions[:1]
+            first_choice = first.argmax(dim=-1)
+            check.first = len(device_parts)
+            device_parts.append(first_choice)
+            if top is not None:
+                device_parts += _logprob_parts(first, first_choice, top)
+            n = len(masks)
+            if n:
+                (device_masks,) = upload([masks], positions.device)
+                positions = positions[:n].clone()
+                apply_bitmask(positions, device_masks)
             else:
-                choices = _sampled(positions, batch, i, 0).tolist()
-            accepted = 0
-            while accepted < k and choices[accepted] == state.draft[accepted]:
-                accepted += 1
-            verdict = Verdict(state.draft[:accepted], choices[accepted])
+                positions = positions[:0]
+        check.choices = len(device_parts)
+        if positions.shape[0]:
+            choices = positions.argmax(dim=-1) if greedy else _sampled(positions, batch, i, 0)
         else:
-            verdict, positions = _verify_constrained(req, state.draft, positions, batch if not greedy else None, i,
-                                                     bitmask, dead_end)
-        if wants_logprobs:
-            verdict.logprobs = _logprobs(positions, [*verdict.accepted, verdict.next_token], req.params.top_logprobs)
-        verdicts[i] = verdict
-        row += k
+            choices = positions.new_zeros(0, dtype=torch.int64)
+        device_parts.append(choices)
+        if top is not None:
+            device_parts += _logprob_parts(positions, choices, top)
+    host = ReadBack(device_parts).wait()
+    last_choice, extra_choice = host[0], host[1]
+    assert last_choice is not None and extra_choice is not None
+    verdicts = {}
+    for check in checks:
+        verdicts[check.index] = check.verdict(host, last_choice, extra_choice, plan.requests[check.index], dead_end)
     return logits[:rows], verdicts
 
 
-def _logprobs(positions: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
-    """Each token's log-probability at its position, with the top ``top`` there."""
-    logprobs = torch.log_softmax(positions[: len(tokens)].float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None]).squeeze(1).tolist()
-    if not top:
-        return [(lp, []) for lp in chosen]
+def _logprob_parts(positions: torch.Tensor, tokens: torch.Tensor, top: int) -> list[torch.Tensor | None]:
+    """On the device: each position's log-probability of its token, and its top ``top`` (ids, values)."""
+    logprobs = torch.log_softmax(positions.float(), dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    if not top or not positions.shape[0]:
+        return [chosen, None, None]
     best = torch.topk(logprobs, top, dim=-1)
-    return [(lp, list(zip(ids, values, strict=True)))
-            for lp, ids, values in zip(chosen, best.indices.tolist(), best.values.tolist(), strict=True)]
+    return [chosen, best.indices, best.values]
+
+
+@dataclass
+class _Walk:
+    """A constrained row's automaton walked over its draft on the host (and back again)."""
+
+    takes: list[bool]
+    """Whether the automaton took draft[j] after the draft tokens before it."""
+    dead_at: int | None
+    """The first position whose mask allows nothing (None: none)."""
+
+
+def _walk_automaton(req: Request, draft: list[int], width: int, dead_end: str) -> tuple[_Walk, np.ndarray]:
+    """The masks of the row's positions, each after the draft tokens before it: position j's
+    mask is the automaton's after taking draft[:j], with the bans at that output position. The
+    walk stops after a draft token the automaton refuses (the verdict stops there) or before a
+    position that allows nothing; the automaton is left as it was."""
+    matcher = req.matcher
+    assert matcher is not None
+    masks = np.full((len(draft) + 1, width), ALL_ALLOWED, dtype=np.int32)
+    takes: list[bool] = []
+    dead_at = None
+    walked = 0
+    for j in range(len(draft) + 1):
+        matcher.fill_bitmask(masks, j)
+        banned = req.bans.get(len(req.output_ids) + j)
+        if banned:
+            ban_tokens(masks[j], banned)
+        if not masks[j].any():
+            dead_at = j
+            break
+        if j == len(draft):
+            break
+        took = bool(matcher.accept(draft[j]))
+        takes.append(took)
+        if not took:
+            break
+        walked += 1
+    if walked:
+        matcher.rollback(walked)
+    filled = dead_at if dead_at is not None else len(takes) + (1 if len(takes) == walked else 0)
+    return _Walk(takes, dead_at), masks[: min(filled, len(draft) + 1)]
+
+
+@dataclass
+class _RowCheck:
+    """One speculative row: where its results sit in the step's read-back, and its verdict."""
+
+    index: int
+    extra_start: int
+    """Its first drafted position among the step's extra logits rows."""
+    k: int
+    draft: list[int]
+    top: int | None
+    """Its top_logprobs when it asks for log-probabilities (None: it does not)."""
+    walk: _Walk | None = None
+    first: int | None = None
+    """Index in the read-back of its unmasked first position's choice (constrained rows)."""
+    choices: int | None = None
+    """Index in the read-back of its positions' choices (None: the step's argmaxes serve)."""
+
+    def verdict(self, host: list[np.ndarray | None], last_choice: np.ndarray, extra_choice: np.ndarray,
+                req: Request, dead_end: str) -> Verdict:
+        k, draft = self.k, self.draft
+        if self.choices is None:
+            choices = [*extra_choice[self.extra_start : self.extra_start + k].tolist(), int(last_choice[self.index])]
+        else:
+            found = host[self.choices]
+            assert found is not None
+            choices = found.tolist()
+        if self.walk is None:
+            accepted = 0
+            while accepted < k and choices[accepted] == draft[accepted]:
+                accepted += 1
+            verdict = Verdict(draft[:accepted], choices[accepted])
+            return self._with_logprobs(verdict, host, self.choices, accepted + 1)
+        # a constrained row: the walk a decode step per position would have taken
+        assert self.first is not None
+        walked = 0
+        choice = int(host[self.first][0])  # type: ignore[index]
+        for j in range(k + 1):
+            if self.walk.dead_at == j:
+                if j == 0:
+                    req.dead_end = dead_end  # as a plain decode step would have found
+                    return self._with_logprobs(Verdict([], choice), host, self.first, 1)
+                # nothing may follow the last draft token: it is the model's choice, not a draft
+                return self._with_logprobs(Verdict(draft[: j - 1], draft[j - 1]), host, self.choices, j)
+            choice = choices[j]
+            if j == k or choice != draft[j] or not self.walk.takes[j]:
+                break
+            walked += 1
+        return self._with_logprobs(Verdict(draft[:walked], choice), host, self.choices, walked + 1)
+
+    def _with_logprobs(self, verdict: Verdict, host: list[np.ndarray | None], at: int | None, count: int) -> Verdict:
+        """``count`` positions' log-probabilities from the read-back parts after index ``at``."""
+        if self.top is None:
+            return verdict
+        assert at is not None
+        chosen, ids, values = host[at + 1], host[at + 2], host[at + 3]
+        assert chosen is not None
+        verdict.logprobs = [
+            (float(chosen[p]), [] if ids is None or values is None else
+             list(zip(ids[p].tolist(), values[p].tolist(), strict=True)))
+            for p in range(count)
+        ]
+        return verdict
 
 
 def _sampled(positions: torch.Tensor, batch: SamplingBatch, i: int, first: int) -> torch.Tensor:
@@ -338,39 +456,3 @@ def _sampled(positions: torch.Tensor, batch: SamplingBatch, i: int, first: int) 
     idx = torch.full((n,), i, dtype=torch.int64, device=positions.device)
     counters = batch.counters[idx] + torch.arange(first, first + n, device=positions.device)
     return sample_rows(positions, batch, idx, counters)
-
-
-def _verify_constrained(req: Request, draft: list[int], positions: torch.Tensor, sampling: SamplingBatch | None,
-                        i: int, bitmask: np.ndarray, dead_end: str) -> tuple[Verdict, torch.Tensor]:
-    """Walk the draft with the request's automaton, taking the model's choice under the mask at
-    each position (argmax, or with ``sampling`` the sample of batch row ``i`` there); the
-    automaton is left as it was (the accepted tokens are appended the ordinary way). Returns
-    the verdict and the positions' scores under their masks (as far as the walk went)."""
-    matcher = req.matcher
-    assert matcher is not None
-    walked = 0  # draft tokens the automaton has taken
-    choice = int(positions[0].argmax())
-    masked: list[torch.Tensor] = []
-    for j in range(len(draft) + 1):
-        bitmask.fill(ALL_ALLOWED)
-        matcher.fill_bitmask(bitmask, 0)
-        banned = req.bans.get(len(req.output_ids) + j)
-        if banned:
-            ban_tokens(bitmask[0], banned)
-        if not bitmask[0].any():
-            if j == 0:
-                req.dead_end = dead_end  # as a plain decode step would have found
-            else:  # nothing may follow the last draft token: it is the model's choice, not a draft
-                matcher.rollback(walked)
-                return Verdict(draft[: j - 1], draft[j - 1]), torch.cat(masked)
-            break
-        scores = positions[j : j + 1].clone()
-        apply_bitmask(scores, torch.from_numpy(bitmask).to(scores.device))
-        masked.append(scores)
-        choice = int(scores.argmax()) if sampling is None else int(_sampled(scores, sampling, i, j)[0])
-        if j == len(draft) or choice != draft[j] or not matcher.accept(choice):
-            break
-        walked += 1
-    if walked:
-        matcher.rollback(walked)
-    return Verdict(draft[:walked], choice), torch.cat(masked) if masked else positions[:1]

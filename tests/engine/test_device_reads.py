@@ -87,3 +87,25 @@ def test_the_guard_sees_a_read(make_engine: Callable[..., Engine], device_reads:
     monkeypatch.setattr(engine.runner.model, "forward", reading_forward)
     engine.generate("one", SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))
     assert any(read.startswith("item") for read in device_reads["reads"])
+
+
+def test_verification_steps_read_nothing_before_their_one_read_back(make_engine: Callable[..., Engine],
+                                                                   device_reads: dict[str, Any]) -> None:
+    """Speculative steps (greedy, sampled, penalised, with log-probabilities, constrained) and
+    jump-forward's forced tokens are verified from one read of every position's choice."""
+    engine = make_engine(speculative="ngram")
+    prompt = "one two three four one two three four one two three four one two"
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "count": {"type": "integer"}}, "required": ["name", "count"]}
+    params = [
+        SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True),
+        SamplingParams(max_new_tokens=16, temperature=0.8, seed=1, ignore_eos=True, logprobs=True, top_logprobs=2),
+        SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.2),
+        SamplingParams(max_new_tokens=40, temperature=0, json_schema=schema),
+    ]
+    outs = engine.generate([prompt] * 4, params)
+    stats = engine.scheduler.stats
+    assert stats.drafted_tokens > 0 and stats.num_jump_forwards > 0, "drafts and forced text should have run"
+    assert all(len(o.token_ids) == 16 for o in outs[:3]) and outs[3].text.startswith("{")
+    assert device_reads["steps"] > 0
+    assert not device_reads["reads"], "\n".join(device_reads["reads"][:3])
