@@ -363,7 +363,7 @@ def _walk_automaton(req: Request, draft: list[int], width: int, dead_end: str) -
     masks = np.full((len(draft) + 1, width), ALL_ALLOWED, dtype=np.int32)
     takes: list[bool] = []
     dead_at = None
-    walked = 0
+    filled = walked = 0
     for j in range(len(draft) + 1):
         matcher.fill_bitmask(masks, j)
         banned = req.bans.get(len(req.output_ids) + j)
@@ -372,6 +372,7 @@ def _walk_automaton(req: Request, draft: list[int], width: int, dead_end: str) -
         if not masks[j].any():
             dead_at = j
             break
+        filled = j + 1
         if j == len(draft):
             break
         took = bool(matcher.accept(draft[j]))
@@ -381,8 +382,7 @@ def _walk_automaton(req: Request, draft: list[int], width: int, dead_end: str) -
         walked += 1
     if walked:
         matcher.rollback(walked)
-    filled = dead_at if dead_at is not None else len(takes) + (1 if len(takes) == walked else 0)
-    return _Walk(takes, dead_at), masks[: min(filled, len(draft) + 1)]
+    return _Walk(takes, dead_at), masks[:filled]
 
 
 @dataclass

@@ -37,6 +37,16 @@ def _tanh(x):
 
 
 @triton.jit
+def _load_pool_rows(Cache, slots, stride_slot, head_offset, d, ok, d_ok, DOT_FP32: tl.constexpr):
+    """[N, BLOCK_D] rows of one kv head at pool ``slots`` (zeros where not ``ok``)."""
+    rows = tl.load(Cache + slots[:, None] * stride_slot + head_offset + d[None, :], mask=ok[:, None] & d_ok[None, :],
+                   other=0.0)
+    if DOT_FP32:
+        rows = rows.to(tl.float32)
+    return rows
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, req_to_token, rows, seq_lens, PartialOut, PartialLse,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rt,
@@ -70,10 +80,7 @@ def _decode_split_kernel(
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < end
         slots = tl.load(req_to_token + row * stride_rt + n, mask=n_ok, other=0).to(tl.int64)
-        k = tl.load(K + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
+        k = _load_pool_rows(K, slots, stride_ks, kv_head * stride_kh, d, n_ok, d_ok, DOT_FP32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_H, BLOCK_N]
         if HAS_SOFTCAP:
             s = softcap * _tanh(s / softcap)
@@ -82,10 +89,7 @@ def _decode_split_kernel(
         p = tl.exp(s - m_new[:, None])
         p = tl.where(n_ok[None, :], p, 0.0)
         alpha = tl.exp(m_i - m_new)
-        v = tl.load(V + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if DOT_FP32:
-            v = v.to(tl.float32)
+        v = _load_pool_rows(V, slots, stride_vs, kv_head * stride_vh, d, n_ok, d_ok, DOT_FP32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
@@ -157,10 +161,7 @@ def _extend_kernel(
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n <= last_pos
             slots = tl.load(req_to_token + row * stride_rt + n, mask=n_ok, other=0).to(tl.int64)
-            k = tl.load(K + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            if DOT_FP32:
-                k = k.to(tl.float32)
+            k = _load_pool_rows(K, slots, stride_ks, kv_head * stride_kh, d, n_ok, d_ok, DOT_FP32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
             if HAS_SOFTCAP:
                 s = softcap * _tanh(s / softcap)
@@ -170,10 +171,7 @@ def _extend_kernel(
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
             alpha = tl.exp(m_i - m_new)
-            v = tl.load(V + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            if DOT_FP32:
-                v = v.to(tl.float32)
+            v = _load_pool_rows(V, slots, stride_vs, kv_head * stride_vh, d, n_ok, d_ok, DOT_FP32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
