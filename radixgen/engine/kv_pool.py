@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from radixgen.host_memory import huge_page_empty
+
 PAD_SLOT = 0
 
 UNWRITTEN_FILL: float | None = None
@@ -75,10 +77,12 @@ class RowAllocator:
 
 
 def _unwritten_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
-    if UNWRITTEN_FILL is None:
-        pool = torch.empty(shape, dtype=dtype, device=device)
+    if torch.device(device).type == "cpu":
+        pool = huge_page_empty(shape, dtype)  # decode streams it like the weights: see host_memory
     else:
-        pool = torch.full(shape, UNWRITTEN_FILL, dtype=dtype, device=device)
+        pool = torch.empty(shape, dtype=dtype, device=device)
+    if UNWRITTEN_FILL is not None:
+        pool.fill_(UNWRITTEN_FILL)
     pool[:, PAD_SLOT] = 0  # padded rows read it
     return pool
 

@@ -12,6 +12,7 @@ from radixgen.config import AttentionBackend, EngineConfig
 from radixgen.constraints.mask import apply_bitmask
 from radixgen.engine.batch import StepPlan
 from radixgen.engine.kv_pool import KVPool
+from radixgen.host_memory import keep_freed_memory_for_reuse, model_tensors, move_into_huge_pages
 from radixgen.kernels import CpuKernels, cpu_kernels
 from radixgen.models import CausalLM, LoadedModel, load_model, torch_dtype
 from radixgen.models.attention import create_backend
@@ -25,40 +26,6 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-# glibc mallopt parameters
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
-_TOP_PAD = 256 << 20
-
-
-def keep_freed_memory_for_reuse() -> bool:
-    """Tell glibc's malloc to keep freed memory for the next allocation rather than hand it back.
-
-    A forward's intermediates (a prefill chunk's activations, 10-30 MB each) are allocated and
-    freed every layer. Above glibc's mmap threshold each one was fresh pages from the kernel,
-    faulted in on first touch, at about the cost of the copy or fill that touched them (see
-    benchmarks/README.md). Raising the threshold to glibc's maximum and not trimming the heap
-    top keeps those pages mapped; the price is that the process holds its peak heap (vLLM's
-    CPU backend preloads tcmalloc for the same reason). Returns whether glibc took the settings
-    (elsewhere nothing changes)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    ok = all(mallopt(param, value) == 1 for param, value in (
-        (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, _TOP_PAD)))
-    if not ok:
-        logger.debug("mallopt refused a setting; the allocator keeps its defaults for it")
-    return ok
 
 
 def set_compute_threads(num_threads: int | None) -> int:
@@ -101,6 +68,9 @@ class ModelRunner:
         logger.info("attention backend: %s", self.attention.name)
         if small_linear_max_tokens <= 0:
             model.drop_plain_weights()
+        if device.type == "cpu":
+            moved = move_into_huge_pages(model_tensors(model))
+            logger.info("weights: %.1f MiB in one huge-page arena", moved / 2**20)
 
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None) -> tuple[ModelRunner, LoadedModel]:

@@ -240,7 +240,7 @@ def test_glibc_takes_the_allocator_settings_the_cpu_engine_makes() -> None:
     faulting fresh pages in for every intermediate."""
     import platform
 
-    from radixgen.engine.model_runner import keep_freed_memory_for_reuse
+    from radixgen.host_memory import keep_freed_memory_for_reuse
 
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")

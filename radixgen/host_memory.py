@@ -1,0 +1,159 @@
+"""How the CPU engine's memory is laid out: glibc's malloc kept from handing memory back, and the
+weights and KV pool placed in transparent huge pages.
+
+A decode step streams every weight from DRAM once. In 4 KiB pages that is one TLB entry per
+4 KiB, and where the allocator happened to put each weight changed the step's speed between
+runs of the same code by more than the changes being measured (benchmarks/README.md, "huge
+pages"). One 2 MiB-aligned mapping advised ``MADV_HUGEPAGE`` holds them all instead; the kernel
+backs it with huge pages where it has them (``/sys/kernel/mm/transparent_hugepage/enabled`` set
+to ``madvise`` or ``always``) and with small pages otherwise, so nothing fails without them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+_ALIGN = 64  # a cache line: every tensor placed in an arena starts on one
+
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+_TOP_PAD = 256 << 20
+
+
+def keep_freed_memory_for_reuse() -> bool:
+    """Tell glibc's malloc to keep freed memory for the next allocation rather than hand it back.
+
+    A forward's intermediates (a prefill chunk's activations, 10-30 MB each) are allocated and
+    freed every layer. Above glibc's mmap threshold each one was fresh pages from the kernel,
+    faulted in on first touch, at about the cost of the copy or fill that touched them (see
+    benchmarks/README.md). Raising the threshold to glibc's maximum and not trimming the heap
+    top keeps those pages mapped; the price is that the process holds its peak heap (vLLM's
+    CPU backend preloads tcmalloc for the same reason). Returns whether glibc took the settings
+    (elsewhere nothing changes)."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    ok = all(mallopt(param, value) == 1 for param, value in (
+        (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, _TOP_PAD)))
+    if not ok:
+        logger.debug("mallopt refused a setting; the allocator keeps its defaults for it")
+    return ok
+
+
+def release_freed_memory() -> None:
+    """Hand the memory malloc holds free back to the kernel once (``malloc_trim``): after the
+    weights moved out of the heap, their old pages would otherwise stay resident for good
+    (``keep_freed_memory_for_reuse`` turns trimming off)."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def huge_page_bytes(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of ``nbytes``, 2 MiB-aligned, in an anonymous mapping advised
+    ``MADV_HUGEPAGE``. Pages are faulted in on first touch, as with ``torch.empty``; the
+    mapping lives as long as a tensor viewing it."""
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            mapping.madvise(advice)
+        except OSError:  # a kernel without transparent huge pages: small pages, same memory
+            logger.debug("madvise(MADV_HUGEPAGE) refused; the mapping keeps small pages")
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start : start + nbytes]
+
+
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)`` on the CPU, in huge pages (``huge_page_bytes``)."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return huge_page_bytes(numel * itemsize).view(dtype).view(shape)
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def move_into_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
+    """Move the storages behind ``tensors`` (CPU, strided) into one huge-page arena, in place:
+    each tensor keeps its identity, shape, strides and sharing (tied weights stay tied, views
+    stay views of the same storage). Returns the bytes moved."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    users: dict[int, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_sparse:
+            continue
+        try:
+            storage = tensor.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # opaque (oneDNN-packed) tensors
+            continue
+        if storage.nbytes() == 0:
+            continue
+        key = storage.data_ptr()
+        storages.setdefault(key, storage)
+        users.setdefault(key, [])
+        if not any(user is tensor for user in users[key]):
+            users[key].append(tensor)
+    if not storages:
+        return 0
+    offsets: dict[int, int] = {}
+    total = 0
+    for key, storage in storages.items():
+        offsets[key] = total
+        total = _round_up(total + storage.nbytes(), _ALIGN)
+    arena = huge_page_bytes(total)
+    arena_storage = arena.untyped_storage()
+    base = arena.data_ptr() - arena_storage.data_ptr()  # the arena's byte offset in its mapping
+    with torch.no_grad():
+        for key, storage in storages.items():
+            start = offsets[key]
+            arena[start : start + storage.nbytes()].copy_(_bytes_of(storage))
+            for tensor in users[key]:
+                itemsize = tensor.element_size()
+                moved = torch.empty(0, dtype=tensor.dtype).set_(
+                    arena_storage, (base + start) // itemsize + tensor.storage_offset(), tensor.shape, tensor.stride(),
+                )
+                tensor.data = moved
+    storages.clear()
+    users.clear()
+    release_freed_memory()
+    return total
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def model_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer of ``module`` (shared ones once)."""
+    seen: set[int] = set()
+    out = []
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            out.append(tensor)
+    return out
