@@ -1,6 +1,10 @@
 """radixgen's Engine.generate against vLLM's LLM.generate on the same token ids, one after the other.
 
     python benchmarks/compare_offline.py [--dtype bfloat16] [--cases plain-64,shared-system-64,...] [--rounds 2] [--skip-vllm]
+        [--before REV]
+
+``--before REV`` runs radixgen at that git revision too (a temporary worktree, its own copy of
+this script's worker), alternating with this tree every round: the before/after check of a change.
 
 Cases (greedy, EOS ignored, every output exactly ``new_tokens`` long):
 
@@ -40,7 +44,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import print_table, prompts_of_lengths, write_json  # noqa: E402
+from benchmarks.common import print_table, prompts_of_lengths, trees_to_measure, write_json  # noqa: E402
 from radixgen.models.loader import resolve_model_dir  # noqa: E402
 from radixgen.paths import cache_dir  # noqa: E402
 
@@ -122,8 +126,8 @@ def radixgen_worker(cases_path: str, dtype: str, weights: str) -> None:
         engine.shutdown()
 
 
-def run(cmd: list[str], env: dict[str, str] | None = None) -> dict[tuple[str, bool], dict[str, Any]]:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+def run(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> dict[tuple[str, bool], dict[str, Any]]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, cwd=cwd)
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[:3]} failed:\n{proc.stderr[-3000:]}")
     results = {}
@@ -151,6 +155,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the engines this many times in alternation and keep each one's fastest wall "
                              "per case (this machine's speed drifts by 20%% over minutes)")
+    parser.add_argument("--before", help="a git revision whose radixgen runs beside this tree's")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -172,17 +177,15 @@ def main() -> None:
         print(f"no vLLM virtualenv at {vllm_python.parent.parent}: radixgen rows only")
     ours: dict[tuple[str, bool], dict[str, Any]] = {}
     theirs: dict[tuple[str, bool], dict[str, Any]] = {}
-    for _ in range(args.rounds):
-        _keep_fastest(ours, run([sys.executable, __file__, "--worker", f.name, "--dtype", args.dtype,
-                                 "--weights", args.weights]))
-        if with_vllm:
-            cores = f"0-{len(os.sched_getaffinity(0)) - 1}"
-            try:
-                _keep_fastest(theirs, run(
-                    [str(vllm_python), str(Path(__file__).parent / "peers" / "vllm_offline.py"), f.name,
-                     "--model", str(model_dir), "--dtype", args.dtype], env={"VLLM_CPU_OMP_THREADS_BIND": cores}))
-            except RuntimeError as e:  # radixgen's rows are still worth printing
-                print(e)
+    before: dict[tuple[str, bool], dict[str, Any]] = {}
+    with trees_to_measure(args.before) as trees:
+        for _ in range(args.rounds):
+            for tree, label in trees:
+                script = tree / "benchmarks" / "compare_offline.py"
+                _keep_fastest(ours if label == "this tree" else before, run(
+                    [sys.executable, str(script), "--worker", f.name, "--dtype", args.dtype, "--weights", args.weights],
+                    cwd=tree))
+            _run_vllm(args, with_vllm, vllm_python, model_dir, f.name, theirs)
     os.unlink(f.name)
     rows = []
     for case in cases:
@@ -191,7 +194,8 @@ def main() -> None:
         generated = len(case["prompts"]) * case["new_tokens"]
         row: dict[str, Any] = {"case": case["name"], "prefix_cache": case["prefix_cache"], "prompt_tokens": prompt_tokens,
                                "generated": generated}
-        for label, results in (("radixgen", ours), ("vllm", theirs)):
+        sources = [("radixgen", ours), ("vllm", theirs)] + ([(args.before, before)] if args.before else [])
+        for label, results in sources:
             rec = results.get(key)
             if rec is None:
                 row[f"{label}_tok_s"] = row[f"{label}_ceiling"] = None
@@ -200,13 +204,29 @@ def main() -> None:
             work = (prompt_tokens + generated) * per_token
             row[f"{label}_ceiling"] = work / rec["wall_s"] / peak
         row["ratio"] = (row["radixgen_tok_s"] / row["vllm_tok_s"]) if row.get("vllm_tok_s") else None
+        if args.before:
+            row["vs_before"] = row["radixgen_tok_s"] / row[f"{args.before}_tok_s"]
         rows.append(row)
     print(f"matmul peak {peak / 1e9:.0f} GFLOP/s ({args.dtype}, {torch.get_num_threads()} threads), "
           f"{per_token / 1e9:.3f} GFLOP per token; long-prefill tok/s counts prompt tokens")
     print_table(rows, list(rows[0]))
     path = write_json(f"compare_offline-{args.dtype}-{args.weights}",
-                      {"matmul_peak_flops": peak, "flops_per_token": per_token, "rounds": args.rounds, "rows": rows})
+                      {"matmul_peak_flops": peak, "flops_per_token": per_token, "rounds": args.rounds,
+                       "before": args.before, "rows": rows})
     print(f"wrote {path}")
+
+
+def _run_vllm(args: argparse.Namespace, with_vllm: bool, vllm_python: Path, model_dir: Path, cases_path: str,
+              theirs: dict[tuple[str, bool], dict[str, Any]]) -> None:
+    if not with_vllm:
+        return
+    cores = f"0-{len(os.sched_getaffinity(0)) - 1}"
+    try:
+        _keep_fastest(theirs, run(
+            [str(vllm_python), str(Path(__file__).parent / "peers" / "vllm_offline.py"), cases_path,
+             "--model", str(model_dir), "--dtype", args.dtype], env={"VLLM_CPU_OMP_THREADS_BIND": cores}))
+    except RuntimeError as e:  # radixgen's rows are still worth printing
+        print(e)
 
 
 if __name__ == "__main__":

@@ -69,12 +69,17 @@ class EngineConfig:
     PyTorch ops (the reference; any device). triton: Triton decode and extend kernels reading
     the pool in place (CUDA; on a CPU only under Triton's interpreter, for tests). auto: cpu on
     CPU, triton on CUDA (models/attention/)."""
-    small_linear_max_tokens: int = 2
+    small_linear_max_tokens: int | None = None
     """CPU: steps with at most this many tokens (batch-1 and batch-2 decode) run the linear
     layers as matrix-vector products over a plain copy of each weight kept beside oneDNN's
-    packed one (batch 1 fp32: 24.7 -> 16.6 ms per step for SmolLM2's linears). The copy costs
-    the linear weights' size in memory again (a tied LM head shares the embedding); 0 turns the
-    path off and frees it."""
+    packed one. The copy costs the linear weights' size in memory again (a tied LM head shares
+    the embedding); 0 turns the path off and frees it. None: up to the size where it measured
+    faster than oneDNN on this machine (``tune_kernels``), 2 without tuning."""
+    tune_kernels: bool = True
+    """CPU: choose each op's implementation (prefill and decode attention, small-step linears)
+    by timing them on the model's shapes at the first start on this machine, cached under
+    $RADIXGEN_CACHE/tuning (``radixgen tune`` times again). Off: fixed rules by CPU flags, as
+    with ``RADIXGEN_TUNE_KERNELS=0`` in the environment (the test suite sets it)."""
     seed: int = 0
     """Seed for requests that give none (each such request still gets its own stream)."""
 

@@ -11,6 +11,7 @@ to ``madvise`` or ``always``) and with small pages otherwise, so nothing fails w
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -63,10 +64,8 @@ def release_freed_memory() -> None:
     name = ctypes.util.find_library("c")
     if not name:
         return
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def huge_page_bytes(nbytes: int) -> torch.Tensor:

@@ -41,6 +41,9 @@ def _pin_xdist_worker() -> None:
 
 _pin_xdist_worker()
 torch.set_num_threads(min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2))
+# engines keep the fixed kernel rules: choices timed on a busy test machine could differ between
+# two engines of one test (tests/models/test_tuning.py starts tuned ones itself)
+os.environ["RADIXGEN_TUNE_KERNELS"] = "0"
 # every in-process engine's KV pool starts as NaN: a slot read before it was written poisons the
 # logits it reaches, where the uninitialised memory of a served pool would hide it
 kv_pool.UNWRITTEN_FILL = float("nan")

@@ -113,6 +113,29 @@ def _cmd_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    """Time each CPU op's implementations on the model's shapes again and cache the choices
+    engines with ``--tune-kernels`` (the default) start with."""
+    from radixgen.engine.model_runner import set_compute_threads
+    from radixgen.kernels import cpu_kernels
+    from radixgen.models import load_model, torch_dtype
+    from radixgen.models.tuning import kernel_choices
+
+    config = config_from_args(args)
+    if config.device != "cpu":
+        raise ValueError(f"radixgen tune times CPU kernels; --device is {config.device}")
+    threads = set_compute_threads(config.num_threads)
+    loaded = load_model(config.model, dtype=config.model_dtype, device="cpu", weights=config.weights)
+    choices = kernel_choices(loaded.model, torch_dtype(config.model_dtype), cpu_kernels(), threads=threads, rerun=True)
+    print(f"{choices.cpu}, {threads} threads, {config.model_dtype}, weights {config.weights}")
+    for choice in choices.choices:
+        timed = "  ".join(f"{name} {ms:.3f} ms" for name, ms in choice.times_ms.items()) or "(only one runs here)"
+        print(f"{choice.op:<20} {choice.chosen:<14} {timed}")
+        for name, why in choice.skipped.items():
+            print(f"{'':<20} {'':<14} {name} skipped: {why}")
+    return 0
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from radixgen.engine.simulator import CostModel, load_trace, simulate, synthetic_trace
 
@@ -149,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--listen", required=True, metavar="FOLDER", help="where its ipc sockets are made")
     add_config_flags(engine)
     engine.set_defaults(func=_cmd_engine)
+
+    tune = sub.add_parser("tune", help="time each CPU op's implementations on this machine again and cache the choices")
+    add_config_flags(tune)
+    tune.set_defaults(func=_cmd_tune)
 
     sim = sub.add_parser("simulate", help="run the scheduler on a request trace with modelled model time")
     sim.add_argument("trace", nargs="?", help="JSON-lines trace (see radixgen.engine.simulator.load_trace)")

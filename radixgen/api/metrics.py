@@ -40,11 +40,23 @@ class ServerMetrics:
                 "engine_steps": "Engine steps so far",
                 "retractions": "Requests retracted under KV pressure so far",
                 "shortened_requests": "Constrained requests steered to close early to finish within max_tokens",
+                "constraint_refusals": "Constrained requests refused up front (no grammar, or no output fits the budget)",
+                "constraint_violations": "Requests that ended constraint_violation (validators kept rejecting)",
                 "spec_drafted_tokens": "Tokens speculative decoding drafted so far",
                 "spec_accepted_tokens": "Drafted tokens that became output so far",
                 "spec_acceptance_rate": "Share of drafted tokens that became output",
             }.items()
         }
+
+    def set_kernels(self, kernels: dict[str, str]) -> None:
+        """Which implementation of each CPU op the engine measured fastest and runs
+        (``radixgen_kernel_info{op, implementation} 1``; none when it did not tune)."""
+        if not kernels:
+            return
+        info = Gauge("radixgen_kernel_info", "The implementation of each op the engine chose by timing it on this machine",
+                     ["op", "implementation"], registry=self.registry)
+        for op, implementation in kernels.items():
+            info.labels(op=op, implementation=implementation).set(1)
 
     def render(self, engine_stats: dict[str, Any] | None) -> bytes:
         if engine_stats and "replicas" in engine_stats:
@@ -62,6 +74,8 @@ class ServerMetrics:
                 "forward_seconds_per_step": s.get("forward_time_s", 0) / steps,
                 "engine_steps": s.get("num_steps", 0), "retractions": s.get("num_retractions", 0),
                 "shortened_requests": s.get("num_shortened", 0),
+                "constraint_refusals": s.get("num_constraint_refusals", 0),
+                "constraint_violations": s.get("num_constraint_violations", 0),
                 "spec_drafted_tokens": s.get("drafted_tokens", 0), "spec_accepted_tokens": s.get("accepted_tokens", 0),
                 "spec_acceptance_rate": s.get("accepted_tokens", 0) / s["drafted_tokens"] if s.get("drafted_tokens") else 0,
             }

@@ -138,6 +138,7 @@ def create_app(config: ServerConfig, *, client: EngineHandle | None = None) -> F
         app.state.chat_format = ChatFormat.of(app.state.tokenizer)
         app.state.call_scorer = CallScorer(engine, app.state.tokenizer, app.state.chat_format)
         app.state.metrics = ServerMetrics()
+        app.state.metrics.set_kernels(engine.info.get("kernels") or {})
         logger.info("serving %s on http://%s:%d", app.state.model_name, config.host, config.port)
         try:
             yield

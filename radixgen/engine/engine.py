@@ -363,7 +363,7 @@ class Engine:
                 "vocab_size": self.model_config.vocab_size, "model_path": str(self.model_path),
                 "max_new_tokens_limit": self.config.max_new_tokens_limit,
                 "sampling_defaults": self.sampling_defaults, "architecture": self.model_config.architecture,
-                "pid": os.getpid(), "model": self.config.model}
+                "pid": os.getpid(), "model": self.config.model, "kernels": self.runner.kernels_in_use()}
 
     def stats_snapshot(self) -> dict[str, Any]:
         """KV accounting and scheduler counters, read consistently on the engine thread. The
@@ -469,12 +469,14 @@ class Engine:
             self.scheduler.abort(req.request_id)
         elif error is not None or grammar is None:
             req.user_error = isinstance(error, ValueError)
+            self.scheduler.stats.num_constraint_refusals += req.user_error
             self.scheduler.abort(req.request_id, FinishReason.ERROR, error=str(error))
         else:
             try:
                 self.constraints.attach(req, grammar, self.runner.pool.max_context_len)
             except ValueError as e:  # the request cannot be served as asked (its budget): say why
                 req.user_error = True
+                self.scheduler.stats.num_constraint_refusals += 1
                 self.scheduler.abort(req.request_id, FinishReason.ERROR, error=str(e))
 
     def _loop(self) -> None:

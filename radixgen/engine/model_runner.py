@@ -16,6 +16,7 @@ from radixgen.host_memory import keep_freed_memory_for_reuse, model_tensors, mov
 from radixgen.kernels import CpuKernels, cpu_kernels
 from radixgen.models import CausalLM, LoadedModel, load_model, torch_dtype
 from radixgen.models.attention import create_backend
+from radixgen.models.tuning import KernelChoices, kernel_choices
 from radixgen.staging import upload
 
 logger = logging.getLogger(__name__)
@@ -51,19 +52,36 @@ def kv_cache_bytes(config: EngineConfig) -> int:
     return int(free * config.mem_fraction)
 
 
+DEFAULT_SMALL_LINEAR_MAX_TOKENS = 2
+"""Where nothing was measured: batch-1 and batch-2 decode run the linears as matrix-vector
+products (the rule measured on AVX-512 and AVX2 EPYCs, benchmarks/README.md)."""
+
+
 class ModelRunner:
     def __init__(
         self, model: CausalLM, pool: KVPool, device: torch.device,
-        attention_backend: AttentionBackend = "auto", small_linear_max_tokens: int = 2,
+        attention_backend: AttentionBackend = "auto", small_linear_max_tokens: int | None = None,
+        tune_kernels: bool = False,
     ) -> None:
+        """``small_linear_max_tokens`` None: as measured (``tune_kernels``), else
+        ``DEFAULT_SMALL_LINEAR_MAX_TOKENS``. ``tune_kernels``: on CPU, pick each op's
+        implementation by timing it on this machine (``models/tuning.py``; cached)."""
         self.model = model
         self.pool = pool
         self.device = device
         self.kernels: CpuKernels | None = cpu_kernels() if device.type == "cpu" else None
+        self.kernel_choices: KernelChoices | None = None
+        if device.type == "cpu" and tune_kernels:
+            self.kernel_choices = kernel_choices(model, pool.k.dtype, self.kernels, threads=torch.get_num_threads())
+            logger.info("kernels %s on %s: %s", "measured" if self.kernel_choices.measured else "as measured before",
+                        self.kernel_choices.cpu, self.kernel_choices.describe())
+        if small_linear_max_tokens is None:
+            small_linear_max_tokens = (self.kernel_choices.small_linear_max_tokens(DEFAULT_SMALL_LINEAR_MAX_TOKENS)
+                                       if self.kernel_choices else DEFAULT_SMALL_LINEAR_MAX_TOKENS)
         model.set_small_linear_max_tokens(small_linear_max_tokens if self.kernels is not None else 0)
         self.attention = create_backend(
             attention_backend, req_to_token=pool.req_to_token, dtype=pool.k.dtype, head_dim=pool.k.shape[-1],
-            kernels=self.kernels,
+            kernels=self.kernels, cpu_choices=self.kernel_choices.summary() if self.kernel_choices else None,
         )
         logger.info("attention backend: %s", self.attention.name)
         if small_linear_max_tokens <= 0:
@@ -71,6 +89,10 @@ class ModelRunner:
         if device.type == "cpu":
             moved = move_into_huge_pages(model_tensors(model))
             logger.info("weights: %.1f MiB in one huge-page arena", moved / 2**20)
+
+    def kernels_in_use(self) -> dict[str, str]:
+        """Which implementation runs each tuned op (the measured choices; empty when not tuned)."""
+        return self.kernel_choices.summary() if self.kernel_choices else {}
 
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: LoadedModel | None = None) -> tuple[ModelRunner, LoadedModel]:
@@ -94,6 +116,7 @@ class ModelRunner:
         logger.info("KV pool: %d tokens (%.2f GiB), context %d", num_slots, num_slots * per_token / 2**30, max_context)
         runner = cls(
             loaded.model, pool, torch.device(config.device), config.attention_backend, config.small_linear_max_tokens,
+            tune_kernels=config.tune_kernels and os.environ.get("RADIXGEN_TUNE_KERNELS", "1") != "0",
         )
         return runner, loaded
 

@@ -343,6 +343,7 @@ class ResultProcessor:
         out = self.outputs.emit(req, final=True)
         assert out is not None, "a final output is always emitted"
         self.stats.num_shortened += out.shortened
+        self.stats.num_constraint_violations += reason is FinishReason.CONSTRAINT_VIOLATION
         self.outputs.remove(req)
         del self.requests[req.request_id]
         return out

@@ -62,6 +62,11 @@ class SchedulerStats:
         """Drafted tokens that became output."""
         self.num_shortened = 0
         """Constrained requests that budget steering closed early so they finished in budget."""
+        self.num_constraint_refusals = 0
+        """Constrained requests refused before generating (no grammar compiles, or the shortest
+        output the constraint allows does not fit the budget)."""
+        self.num_constraint_violations = 0
+        """Requests that ended ``constraint_violation`` (validators kept rejecting)."""
         self.schedule_time_s = 0.0
         self.forward_time_s = 0.0
         self.queue_depth = 0
@@ -110,7 +115,8 @@ class SchedulerStats:
     def snapshot(self) -> dict[str, float]:
         keys = ("num_steps", "num_prefill_steps", "num_decode_steps", "prompt_tokens", "cached_prompt_tokens",
                 "computed_tokens", "generated_tokens", "evicted_tokens", "num_retractions", "num_repeat_retractions",
-                "num_rollbacks", "num_jump_forwards", "drafted_tokens", "accepted_tokens", "num_shortened", "schedule_time_s",
+                "num_rollbacks", "num_jump_forwards", "drafted_tokens", "accepted_tokens", "num_shortened",
+                "num_constraint_refusals", "num_constraint_violations", "schedule_time_s",
                 "forward_time_s", "queue_depth", "running", "kv_used", "cached_tokens")
         out: dict[str, float] = {k: getattr(self, k) for k in keys}
         out |= {"cache_hit_rate": self.cache_hit_rate, "avg_batch_size": self.avg_batch_size,

@@ -601,6 +601,9 @@ def test_json_finishes_within_max_tokens_and_a_budget_too_small_is_a_400(server:
                                   response_format=fmt)  # type: ignore[call-overload]
     stats = server.wait_idle()
     assert stats["active_requests"] == 0 and stats["held_by_requests"] == 0
+    metrics = httpx.get(server.url + "/metrics").text
+    refusals = next(ln for ln in metrics.splitlines() if ln.startswith("radixgen_constraint_refusals "))
+    assert float(refusals.split()[1]) >= 1, "the refusal is counted apart from violations"
 
 
 

@@ -52,8 +52,8 @@ def test_json_outputs_finish_valid_within_tight_budgets(real_engine: Engine, tem
     assert len(BUDGET_SCHEMAS) >= 20
     prompts = [real_engine.apply_chat_template([{"role": "user", "content": f"Reply with a detailed JSON record. Case {i}."}])
                for i in range(len(BUDGET_SCHEMAS))]
-    shortened = 0
-    before = real_engine.stats_snapshot()["num_shortened"]
+    shortened = refused = 0
+    before = real_engine.stats_snapshot()
     budgets = (32, 64, 128)
     every = real_engine.generate(prompts * len(budgets), [  # one batch: the longest budget sets the steps
         SamplingParams(max_new_tokens=budget, temperature=temperature, seed=11, json_schema=s)
@@ -62,6 +62,7 @@ def test_json_outputs_finish_valid_within_tight_budgets(real_engine: Engine, tem
         outs = every[k * len(BUDGET_SCHEMAS) : (k + 1) * len(BUDGET_SCHEMAS)]
         for out, schema in zip(outs, BUDGET_SCHEMAS, strict=True):
             if _refused_below(out, budget) is not None:
+                refused += 1
                 continue
             assert out.finish_reason is FinishReason.STOP, (budget, out.finish_reason, out.text, out.error)
             assert out.completion_tokens <= budget
@@ -70,7 +71,9 @@ def test_json_outputs_finish_valid_within_tight_budgets(real_engine: Engine, tem
         if budget == 32:
             assert sum(o.finish_reason is FinishReason.STOP for o in outs) >= 15, "most schemas fit 32 tokens"
     assert shortened > 0, "tight budgets steer some outputs to close"
-    assert real_engine.stats_snapshot()["num_shortened"] - before == shortened
+    after = real_engine.stats_snapshot()
+    assert after["num_shortened"] - before["num_shortened"] == shortened
+    assert after["num_constraint_refusals"] - before["num_constraint_refusals"] == refused
 
 
 @pytest.mark.real_model

@@ -54,6 +54,8 @@ def test_retries_exhausted_gives_constraint_violation(make_engine: Callable[...,
     assert out.finish_reason is FinishReason.CONSTRAINT_VIOLATION
     assert out.error is not None and "$.legs" in out.error
     assert engine.scheduler.stats.num_rollbacks == 2, "two retries, then the request ends"
+    counted = engine.stats_snapshot()
+    assert counted["num_constraint_violations"] == 1 and counted["num_constraint_refusals"] == 0
 
 
 def test_a_bare_root_number_is_validated_when_the_output_ends(make_engine: Callable[..., Engine]) -> None:

@@ -55,15 +55,17 @@ def resolve_backend(name: str, device: torch.device) -> str:
 
 def create_backend(
     name: str, *, req_to_token: torch.Tensor, dtype: torch.dtype, head_dim: int, kernels: CpuKernels | None = None,
+    cpu_choices: dict[str, str] | None = None,
 ) -> AttentionBackend:
     """The attention backend ``name`` for a pool whose ``req_to_token`` lives on the model's device.
-    ``kernels``: the native CPU ops the ``cpu`` backend uses (None: its SDPA paths alone)."""
+    ``kernels``: the native CPU ops the ``cpu`` backend uses (None: its SDPA paths alone);
+    ``cpu_choices``: its implementations measured on this machine (``models/tuning.py``)."""
     device = req_to_token.device
     resolved = resolve_backend(name, device)
     if resolved == "cpu":
         from radixgen.models.attention.cpu import CpuAttention
 
-        return CpuAttention(req_to_token, dtype, head_dim, kernels)
+        return CpuAttention(req_to_token, dtype, head_dim, kernels, choices=cpu_choices)
     if resolved == "torch":
         from radixgen.models.attention.reference import TorchAttention
 

@@ -428,7 +428,7 @@ class CpuAttention(AttentionBackend):
 
     def __init__(
         self, req_to_token: torch.Tensor, dtype: torch.dtype, head_dim: int, kernels: CpuKernels | None,
-        *, padded_prefill: bool = False,
+        *, padded_prefill: bool = False, choices: dict[str, str] | None = None,
     ) -> None:
         self.req_to_token = req_to_token
         self.device = req_to_token.device
@@ -437,6 +437,14 @@ class CpuAttention(AttentionBackend):
         self.decode_kernel = kernels.decode_attention if kernels else None
         self.prefill_kernel = kernels.prefill_attention_for(dtype) if kernels else None
         self.shared_prefix_kernel = kernels.shared_prefix_attention_for(dtype, head_dim) if kernels else None
+        # the implementations measured fastest on this machine (models/tuning.py) over the rules above
+        choices = choices or {}
+        if kernels is not None and choices.get("prefill_attention") == "native" and dtype == torch.bfloat16:
+            self.prefill_kernel = kernels.prefill_attention
+        elif choices.get("prefill_attention") == "sdpa":
+            self.prefill_kernel = None
+        if choices.get("decode_attention") == "sdpa":
+            self.decode_kernel = self.shared_prefix_kernel = None
 
     def prepare_uploaded(self, batch: AttentionBatch, uploaded: list[torch.Tensor]) -> AttentionPlan:
         # CPU only: the plan's tensors share the host arrays' memory, nothing is copied

@@ -1,0 +1,157 @@
+"""Kernel choices by measurement (models/tuning.py): the selection logic with forced
+capabilities and timings, the cache, and an engine running what was chosen."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from radixgen import Engine, EngineConfig, SamplingParams
+from radixgen.api.metrics import ServerMetrics
+from radixgen.kernels import cpu_kernels
+from radixgen.models import load_model, tuning
+from radixgen.models.tuning import (
+    CpuFeatures,
+    Implementation,
+    KernelChoices,
+    OpChoice,
+    choose,
+    kernel_choices,
+)
+
+AVX2_ONLY = CpuFeatures("Test CPU", frozenset({"avx2", "fma"}))
+
+
+def test_choose_never_times_what_cannot_run() -> None:
+    timed: list[str] = []
+
+    def time_ms(name: str) -> float:
+        timed.append(name)
+        return {"a": 2.0, "c": 1.0}[name]
+
+    choice = choose("op", [Implementation("a"), Implementation("b", "needs AMX"), Implementation("c")], time_ms)
+    assert choice.chosen == "c" and timed == ["a", "c"]
+    assert choice.skipped == {"b": "needs AMX"} and choice.times_ms == {"a": 2.0, "c": 1.0}
+    # the only runnable one is chosen without timing, even when listed after one that cannot run
+    only = choose("op", [Implementation("fast", "needs AVX-512 BF16"), Implementation("slow")], time_ms)
+    assert only.chosen == "slow" and only.times_ms == {} and timed == ["a", "c"]
+    with pytest.raises(ValueError, match="no implementation of op runs here"):
+        choose("op", [Implementation("x", "no")], time_ms)
+
+
+def test_choose_keeps_the_rule_within_the_margin() -> None:
+    near = {"rule": 1.0, "other": 1.0 - tuning.MARGIN / 2}
+    assert choose("op", [Implementation("rule"), Implementation("other")], near.__getitem__).chosen == "rule"
+    far = {"rule": 1.0, "other": 1.0 - 2 * tuning.MARGIN}
+    assert choose("op", [Implementation("rule"), Implementation("other")], far.__getitem__).chosen == "other"
+
+
+def test_small_linear_limit_is_the_largest_size_that_won_at_every_size_below() -> None:
+    def choices(one: str, two: str) -> KernelChoices:
+        return KernelChoices("cpu", [OpChoice("linear_1_token", one), OpChoice("linear_2_token", two)])
+
+    assert choices("small_linear", "small_linear").small_linear_max_tokens(default=7) == 2
+    assert choices("small_linear", "onednn").small_linear_max_tokens(default=7) == 1
+    assert choices("onednn", "small_linear").small_linear_max_tokens(default=7) == 0
+    assert KernelChoices("cpu", []).small_linear_max_tokens(default=7) == 7  # quantized: nothing timed
+
+
+def test_cpu_features_label_names_the_flags_that_matter() -> None:
+    features = CpuFeatures("Xeon", frozenset({"avx2", "amx_bf16", "amx_tile", "sse2"}))
+    assert features.label() == "Xeon (avx2 amx_tile amx_bf16)"
+    assert CpuFeatures("Old", frozenset({"sse2"})).label() == "Old (no AVX2)"
+    detected = CpuFeatures.detect()
+    if Path("/proc/cpuinfo").exists():
+        assert detected.model_name != "unknown" and detected.flags
+
+
+@pytest.fixture
+def tuning_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("RADIXGEN_CACHE", str(tmp_path))
+    return tmp_path / "tuning"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_model_dir: Path) -> Any:
+    return load_model(str(tiny_model_dir)).model
+
+
+def test_the_native_prefill_is_skipped_for_float32_and_without_kernels(tiny_model: Any) -> None:
+    fp32 = tuning._choose_prefill(tiny_model, torch.float32, cpu_kernels())
+    assert fp32.chosen == "sdpa" and "bfloat16" in fp32.skipped["native"]
+    no_kernels = tuning._choose_decode(tiny_model, torch.float32, None)
+    assert no_kernels.chosen == "sdpa" and "not built" in no_kernels.skipped["native"]
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the native kernels do not build here")
+def test_choices_are_measured_once_then_read_from_the_cache(tiny_model: Any, tuning_cache: Path) -> None:
+    first = kernel_choices(tiny_model, torch.float32, cpu_kernels(), threads=1, features=AVX2_ONLY)
+    assert first.measured and first.cpu == "Test CPU (avx2)"
+    ops = [c.op for c in first.choices]
+    assert ops == ["prefill_attention", "decode_attention", "linear_1_token", "linear_2_token"]
+    decode = first.choices[1]
+    assert set(decode.times_ms) == {"native", "sdpa"} and all(ms > 0 for ms in decode.times_ms.values())
+    assert len(list(tuning_cache.glob("*.json"))) == 1
+    again = kernel_choices(tiny_model, torch.float32, cpu_kernels(), threads=1, features=AVX2_ONLY)
+    assert not again.measured and again.summary() == first.summary()
+    # another machine (or thread count) is another entry, measured afresh
+    other = kernel_choices(tiny_model, torch.float32, cpu_kernels(), threads=1,
+                           features=CpuFeatures("Other CPU", frozenset({"avx2", "avx512f"})))
+    assert other.measured and len(list(tuning_cache.glob("*.json"))) == 2
+    rerun = kernel_choices(tiny_model, torch.float32, cpu_kernels(), threads=1, features=AVX2_ONLY, rerun=True)
+    assert rerun.measured
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the native kernels do not build here")
+def test_an_engine_runs_what_was_chosen(
+    tiny_model_dir: Path, tuning_cache: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RADIXGEN_TUNE_KERNELS", "1")
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    config = EngineConfig(model=str(tiny_model_dir), kv_cache_tokens=2048, max_context_len=256)
+    with Engine(config) as engine:
+        measured = engine.info()["kernels"]
+        assert set(measured) == {"prefill_attention", "decode_attention", "linear_1_token", "linear_2_token"}
+        reference = engine.generate([5, 6, 7, 8], params).token_ids
+    # force the other decode path and no small linears through the cache the engine reads
+    [entry] = tuning_cache.glob("*.json")
+    data = json.loads(entry.read_text())
+    for choice in data["choices"]:
+        choice["chosen"] = {"decode_attention": "sdpa", "linear_1_token": "onednn",
+                            "linear_2_token": "onednn"}.get(choice["op"], choice["chosen"])
+    entry.write_text(json.dumps(data))
+    with Engine(config) as engine:
+        runner = engine.runner
+        assert engine.info()["kernels"]["decode_attention"] == "sdpa"
+        assert runner.attention.decode_kernel is None
+        assert all(m.small_linear_max_tokens == 0 for m in runner.model.modules() if hasattr(m, "_packed"))
+        out = engine.generate([5, 6, 7, 8], params).token_ids
+    assert out == reference  # the same greedy tokens through the other implementations
+
+
+def test_metrics_show_the_chosen_kernels() -> None:
+    metrics = ServerMetrics()
+    metrics.set_kernels({"prefill_attention": "sdpa", "decode_attention": "native"})
+    body = metrics.render(None).decode()
+    assert 'radixgen_kernel_info{implementation="sdpa",op="prefill_attention"} 1.0' in body
+    assert 'radixgen_kernel_info{implementation="native",op="decode_attention"} 1.0' in body
+    assert "radixgen_kernel_info" not in ServerMetrics().render(None).decode()
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the native kernels do not build here")
+def test_radixgen_tune_prints_and_caches_the_choices(
+    tiny_model_dir: Path, tuning_cache: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from radixgen.api.cli import main
+
+    assert main(["tune", "--model", str(tiny_model_dir), "--num-threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "1 threads, float32" in out
+    for op in ("prefill_attention", "decode_attention", "linear_1_token"):
+        assert op in out
+    assert "native skipped: the native prefill kernel takes bfloat16 pools only" in out
+    assert len(list(tuning_cache.glob("*.json"))) == 1
