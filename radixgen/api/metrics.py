@@ -42,6 +42,7 @@ class ServerMetrics:
                 "shortened_requests": "Constrained requests steered to close early to finish within max_tokens",
                 "constraint_refusals": "Constrained requests refused up front (no grammar, or no output fits the budget)",
                 "constraint_violations": "Requests that ended constraint_violation (validators kept rejecting)",
+                "searched_values": "Rejected numbers replaced by a valid value the validators accept, found by search",
                 "spec_drafted_tokens": "Tokens speculative decoding drafted so far",
                 "spec_accepted_tokens": "Drafted tokens that became output so far",
                 "spec_acceptance_rate": "Share of drafted tokens that became output",
@@ -76,6 +77,7 @@ class ServerMetrics:
                 "shortened_requests": s.get("num_shortened", 0),
                 "constraint_refusals": s.get("num_constraint_refusals", 0),
                 "constraint_violations": s.get("num_constraint_violations", 0),
+                "searched_values": s.get("num_searched_values", 0),
                 "spec_drafted_tokens": s.get("drafted_tokens", 0), "spec_accepted_tokens": s.get("accepted_tokens", 0),
                 "spec_acceptance_rate": s.get("accepted_tokens", 0) / s["drafted_tokens"] if s.get("drafted_tokens") else 0,
             }

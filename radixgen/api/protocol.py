@@ -214,6 +214,9 @@ class ChatChoice(BaseModel):
     shortened: bool | None = None
     """radixgen's extension: true when budget steering closed the constrained output early so it
     finished complete within max_tokens (finish_reason stays "stop"); absent otherwise."""
+    constraint_warnings: list[str] | None = None
+    """radixgen's extension: what the response format's grammar could not enforce (a lenient
+    compile dropped it; validators checked the answer against it instead); null otherwise."""
 
 
 class ChatCompletionResponse(BaseModel):
@@ -241,6 +244,9 @@ class ChatChunkChoice(BaseModel):
     shortened: bool | None = None
     """radixgen's extension: true when budget steering closed the constrained output early so it
     finished complete within max_tokens (finish_reason stays "stop"); absent otherwise."""
+    constraint_warnings: list[str] | None = None
+    """radixgen's extension: what the response format's grammar could not enforce (a lenient
+    compile dropped it; validators checked the answer against it instead); null otherwise."""
 
 
 class ChatCompletionChunk(BaseModel):
@@ -260,6 +266,9 @@ class CompletionChoice(BaseModel):
     shortened: bool | None = None
     """radixgen's extension: true when budget steering closed the constrained output early so it
     finished complete within max_tokens (finish_reason stays "stop"); absent otherwise."""
+    constraint_warnings: list[str] | None = None
+    """radixgen's extension: what the response format's grammar could not enforce (a lenient
+    compile dropped it; validators checked the answer against it instead); null otherwise."""
 
 
 class CompletionResponse(BaseModel):

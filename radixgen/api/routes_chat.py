@@ -115,7 +115,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
             reason = "function_call"
         choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
                                   logprobs=token_logprobs(state.tokenizer, r, bool(top), state.token_bytes) if req.logprobs else None,
-                                  shortened=r.shortened or None))
+                                  shortened=r.shortened or None, constraint_warnings=r.constraint_warnings))
     return ChatCompletionResponse(id=base_id, model=model, choices=choices, usage=usage(results))
 
 
@@ -200,10 +200,13 @@ async def _chat_stream(request: Request, req: ChatCompletionRequest, tools: Tool
                 last = n == len(deltas) - 1
                 yield chunk([ChatChunkChoice(index=i, delta=d, finish_reason=reason if last else None,
                                              logprobs=logprobs if last else None,
-                                             shortened=(results[i].shortened or None) if last and out.finished else None)])
+                                             shortened=(results[i].shortened or None) if last and out.finished else None,
+                                             constraint_warnings=results[i].constraint_warnings
+                                             if last and out.finished else None)])
             if out.finished and not deltas:
                 yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=reason,
-                                             shortened=results[i].shortened or None)])
+                                             shortened=results[i].shortened or None,
+                                             constraint_warnings=results[i].constraint_warnings)])
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunk([], usage=usage(results))
         yield sse("[DONE]")

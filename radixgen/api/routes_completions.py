@@ -105,7 +105,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
         if req.logprobs is not None:
             lp = _text_logprobs(state.tokenizer, r.token_ids, r.logprobs, r.top_logprobs)
         choices.append(CompletionChoice(index=i, text=text, finish_reason=r.finish_reason, logprobs=lp,
-                                        shortened=r.shortened or None))
+                                        shortened=r.shortened or None, constraint_warnings=r.constraint_warnings))
     usage = Usage(prompt_tokens=sum(len(ids) for ids in prompts), completion_tokens=sum(len(r.token_ids) for r in results),
                   total_tokens=0, prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in results)))
     usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
@@ -141,7 +141,9 @@ async def _completion_stream(request: Request, req: CompletionRequest, jobs: lis
                                          "logprobs": _text_logprobs(state.tokenizer, out.new_token_ids,
                                                                     out.new_logprobs or [], out.new_top_logprobs or [])
                                          if req.logprobs is not None and out.new_token_ids else None,
-                                         **({"shortened": True} if out.finished and results[i].shortened else {})}]})
+                                         **({"shortened": True} if out.finished and results[i].shortened else {}),
+                                         **({"constraint_warnings": results[i].constraint_warnings}
+                                            if out.finished and results[i].constraint_warnings else {})}]})
         if req.stream_options is not None and req.stream_options.include_usage:
             prompt = sum(len(ids) for _, ids, _ in jobs[:: max(req.n, 1)])
             completion = sum(len(r.token_ids) for r in results)

@@ -45,6 +45,7 @@ class ChoiceResult:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
     shortened: bool = False
+    constraint_warnings: list[str] | None = None
 
 
 # ---- request -> engine types --------------------------------------------------------------
@@ -163,6 +164,7 @@ def apply(result: ChoiceResult, out: RequestOutput, streamed: bool) -> None:
         result.finish_reason = out.finish_reason.value if out.finish_reason else None
         result.prompt_logprobs = out.prompt_logprobs
         result.shortened = out.shortened
+        result.constraint_warnings = out.constraint_warnings
 
 
 async def client_gone(request: Request) -> None:

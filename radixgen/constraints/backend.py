@@ -22,6 +22,10 @@ class Grammar(ABC):
     """A JSON schema whose every keyword the automaton enforces: its outputs cannot fail the
     schema's validators, so they need not hold the stream back for a possible rollback."""
 
+    not_enforced: tuple[str, ...] = ()
+    """What a lenient compile left out of the automaton (llguidance's warnings, e.g. a ``not``
+    it cannot express): the validators still check it, by rollback rather than by mask."""
+
     parts_enforced_exactly: frozenset[str | None] = frozenset()
     """For a structural constraint, the JSON parts whose schema the automaton enforces exactly,
     by tool name (None: the JSON answer); the others get validators (constraints/call_validation.py)."""

@@ -70,7 +70,8 @@ class StructuralValidation:
         for ch in self.text[self._part_start + len(part.scanner.text):]:
             rejection = part.feed(ch)
             if rejection is not None and check:
-                return replace(rejection, start=rejection.start + self._part_start)
+                return replace(rejection, start=rejection.start + self._part_start,
+                           end=rejection.end + self._part_start if rejection.end >= 0 else -1)
             if part.scanner.done:
                 self._pos = self._part_start + len(part.scanner.text)
                 self._part = None
@@ -78,7 +79,8 @@ class StructuralValidation:
                 return None
         rejection = part.feed("", final=True) if final else None
         if rejection is not None and check:
-            return replace(rejection, start=rejection.start + self._part_start)
+            return replace(rejection, start=rejection.start + self._part_start,
+                           end=rejection.end + self._part_start if rejection.end >= 0 else -1)
         return None
 
     def _find_next_part(self) -> bool:

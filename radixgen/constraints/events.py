@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -44,6 +44,11 @@ class Rejection:
     fatal: bool = False
     """The caller's validator raised something other than a rejection (a bug in user code): the
     request ends with ``constraint_violation`` instead of resampling."""
+    replacement: str | None = None
+    """A valid value's JSON text to write in the rejected value's place (a number whose
+    validators the grammar cannot enforce, rejected more than once: ``Validation.search_number``)."""
+    end: int = -1
+    """Character offset just past the rejected value."""
 
 
 def format_path(path: Path) -> str:
@@ -273,6 +278,26 @@ def _pydantic_field_check(model: Any, name: str | int, value: Any) -> str | None
     return None
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _number_candidates(limit: int, *, tenths: bool) -> Iterator[int | float]:
+    """0, 1, -1, 2, -2, ... (or 0.1, -0.1, 0.2, ... skipping whole numbers), ``limit`` of them."""
+    if not tenths:
+        yield 0
+    emitted, k = 0 if tenths else 1, 1
+    while emitted < limit:
+        if tenths and k % 10 == 0:
+            k += 1
+            continue
+        magnitude: int | float = round(k / 10, 1) if tenths else k
+        yield magnitude
+        yield -magnitude
+        emitted += 2
+        k += 1
+
+
 def _path_matches(pattern: str, path: Path) -> bool:
     regex = "^" + re.escape(pattern).replace(r"\[\*\]", r"\[\d+\]") + "$"
     return re.match(regex, format_path(path)) is not None
@@ -285,6 +310,13 @@ class UserValidatorError(Exception):
 class Validation:
     """One request's validators over its JSON output."""
 
+    SEARCH_AFTER = 2
+    """A number rejected this many times at one path is replaced by a searched valid value: its
+    validators (multipleOf chains under not / oneOf, ...) are outside what the grammar enforces,
+    and the model's digits rarely land on the few valid values by resampling."""
+    SEARCH_LIMIT = 20_000
+    """Candidates tried at most (integers up to 10,000 either side of 0, then tenths)."""
+
     def __init__(
         self, *, schema: SchemaValidators | None = None, model: Any = None,
         user: dict[str, Validator] | None = None, repeated_items: RepeatedItems = "unique",
@@ -293,6 +325,7 @@ class Validation:
         self.repeated_items = repeated_items
         self.scanner = JsonScanner()
         self._items: dict[Path, list[str]] = {}  # array path -> its completed items (canonical JSON)
+        self._number_rejections: dict[Path, int] = {}  # kept across rollbacks
 
     settled = 0
     """Chars of the output no rejection can reach back into: none, the whole value is checked
@@ -322,8 +355,38 @@ class Validation:
             except UserValidatorError as e:
                 return Rejection(value.path, value.start, str(e), isinstance(value.value, str), fatal=True)
             if reason is not None:
-                return Rejection(value.path, value.start, reason, isinstance(value.value, str))
+                return Rejection(value.path, value.start, reason, isinstance(value.value, str),
+                                 replacement=self._replacement(value), end=value.end)
         return None
+
+    def _replacement(self, value: CompletedValue) -> str | None:
+        if not _is_number(value.value):
+            return None
+        count = self._number_rejections[value.path] = self._number_rejections.get(value.path, 0) + 1
+        if count < self.SEARCH_AFTER:
+            return None  # the model's own next choice first
+        found = self.search_number(value)
+        return None if found is None else json.dumps(found)
+
+    def search_number(self, rejected: CompletedValue) -> int | float | None:
+        """The first number every validator of ``rejected``'s path accepts, smallest magnitude
+        (so shortest) first: integers, then tenths where the rejected value was not integral or
+        no integer fits. None when none of ``SEARCH_LIMIT`` candidates does."""
+        tried = 0
+        for candidate in _number_candidates(self.SEARCH_LIMIT // 2, tenths=False):
+            tried += 1
+            if self._accepts(rejected, candidate):
+                return candidate
+        for candidate in _number_candidates(self.SEARCH_LIMIT - tried, tenths=True):
+            if self._accepts(rejected, candidate):
+                return candidate
+        return None
+
+    def _accepts(self, rejected: CompletedValue, candidate: int | float) -> bool:
+        try:
+            return self._check(CompletedValue(rejected.path, rejected.start, rejected.end, candidate)) is None
+        except UserValidatorError:
+            return False
 
     def _repeats(self, value: CompletedValue, canonical: str) -> str | None:
         """Why an array item is refused as a repeat of an earlier item of its array, or None.

@@ -117,7 +117,9 @@ class LLGuidanceBackend(GrammarBackend):
         if prototype.is_error():
             raise InvalidConstraintError(f"cannot compile the {spec.kind.replace('_', ' ')}: "
                                          f"{_first_line([prototype.get_error()])}")
-        return LLGuidanceGrammar(prototype, self._stop_ids)
+        grammar_out = LLGuidanceGrammar(prototype, self._stop_ids)
+        grammar_out.not_enforced = tuple(_first_line([m]) for m in messages if m.strip())
+        return grammar_out
 
 
 def _first_line(messages: list[str]) -> str:

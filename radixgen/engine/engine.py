@@ -65,6 +65,9 @@ class GenerationOutput:
     shortened: bool = False
     """Budget steering closed the constrained output early so that it finished complete within
     max_new_tokens (finish_reason is still "stop")."""
+    constraint_warnings: list[str] | None = None
+    """What the constraint's grammar did not enforce (a lenient compile's dropped keywords);
+    validators checked it instead."""
 
 
 @dataclass
@@ -88,6 +91,7 @@ class _Collector:
             error=self.final.error, user_error=self.final.user_error, logprobs=list(req.output_logprobs) if params.logprobs else None,
             top_logprobs=list(req.output_top_logprobs) if params.top_logprobs else None,
             prompt_logprobs=self.final.prompt_logprobs, shortened=self.final.shortened,
+            constraint_warnings=self.final.constraint_warnings,
         )
 
 
@@ -472,6 +476,10 @@ class Engine:
             self.scheduler.stats.num_constraint_refusals += req.user_error
             self.scheduler.abort(req.request_id, FinishReason.ERROR, error=str(error))
         else:
+            if grammar.not_enforced:
+                req.constraint_warnings = list(grammar.not_enforced)
+                logger.info("%s: the grammar does not enforce %s; validators check it",
+                            req.request_id, "; ".join(grammar.not_enforced))
             try:
                 self.constraints.attach(req, grammar, self.runner.pool.max_context_len)
             except ValueError as e:  # the request cannot be served as asked (its budget): say why

@@ -247,8 +247,48 @@ class OutputProcessor:
         # back to the value's first token; ban the token that chose its content (for a string,
         # the one after the opening quote, which the automaton forces anyway)
         ban_char = rejection.start + (1 if rejection.is_string else 0)
-        req.pending_rollback = (self._token_at(req, rejection.start), self._token_at(req, ban_char), rejection.reason)
+        keep = self._token_at(req, rejection.start)
+        req.pending_rollback = (keep, self._token_at(req, ban_char), rejection.reason)
+        req.replacement_text = None
+        detok = self.detokenizers.get(req.request_id)
+        if rejection.replacement is not None and detok is not None:
+            # from the kept tokens' end: the value's first token may carry text before it (' 12');
+            # and on through the character that ended the rejected value, so that the digits end
+            text = detok.text
+            start = req.token_text_ends[keep - 1] if keep else 0
+            ending = text[rejection.end] if 0 <= rejection.end < len(text) else ""
+            req.replacement_text = text[start : rejection.start] + rejection.replacement + ending
         return None
+
+    def force_text(self, req: Request, text: str) -> bool:
+        """Append the tokens of ``text`` as forced (probability 1) through the automaton, the
+        validators and budget steering. False, with nothing appended, where the automaton
+        refuses them, they do not fit the budget, or they end or fail the output."""
+        matcher = req.matcher
+        if self.tokenizer is None or matcher is None:
+            return False
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        keep = len(req.output_ids)
+        if not ids or len(ids) >= req.params.max_new_tokens - keep:
+            return False
+        for n, t in enumerate(ids):
+            if not matcher.accept(t):
+                matcher.rollback(n)
+                return False
+        if req.budget is not None and self.steering is not None:
+            self.steering.follow_forced(req, ids)
+        for t in ids:
+            if req.params.logprobs:
+                req.output_logprobs.append(0.0)
+            if req.params.top_logprobs:
+                req.output_top_logprobs.append([(t, 0.0)])
+            if self._append_one(req, t) is not None or req.pending_rollback is not None:
+                matcher.rollback(len(ids))
+                req.pending_rollback = None
+                del req.output_ids[keep:], req.output_logprobs[keep:], req.output_top_logprobs[keep:]
+                self.rewind(req, keep)
+                return False
+        return True
 
     @staticmethod
     def _token_at(req: Request, char: int) -> int:
@@ -311,6 +351,7 @@ class OutputProcessor:
             prompt_logprobs=req.prompt_logprobs.tolist() if req.prompt_logprobs is not None else None,
             text=detok.text if detok is not None else "",
             shortened=req.budget is not None and req.budget.shortened,
+            constraint_warnings=req.constraint_warnings,
         )
         if req.on_output is not None:
             req.on_output(out)

@@ -237,6 +237,8 @@ class RequestOutput:
     from that index on."""
     text: str | None = None
     """Final output only: the whole output text."""
+    constraint_warnings: list[str] | None = None
+    """Final output only: what the constraint's grammar does not enforce (validators check it)."""
     shortened: bool = False
     """Final output only: budget steering closed the constrained output early (a string, an
     array or an object was ended, or the rest completed with its shortest valid text) so that it
@@ -297,6 +299,11 @@ class Request:
     """(forced tokens to keep, the model's token instead of the next one, its log-probability and
     top log-probabilities) found by verification."""
     pending_rollback: tuple[int, int, str] | None = None
+    constraint_warnings: list[str] | None = None
+    """What the compiled grammar leaves to the validators (``Grammar.not_enforced``)."""
+    replacement_text: str | None = None
+    """Written in place of the rolled-back value: a valid value the validators' search found
+    (``Validation.search_number``), from the kept tokens' end."""
     """(output tokens to keep, position whose token to ban, why) set by a validator rejection."""
     num_rollbacks: int = 0
     dead_end: str | None = None

@@ -327,6 +327,11 @@ class ResultProcessor:
             self.kv.release(req, cache=True)
         else:  # the cached prefix reaches past the rollback point: keep the tree's copy, drop ours
             self.kv.release(req, cache=False)
+        replacement, req.replacement_text = req.replacement_text, None
+        if replacement is not None and self.outputs.force_text(req, replacement):
+            # the requeued prefill computes the written tokens' KV and samples what follows
+            logger.info("%s: wrote %r in place of a value its validators rejected %s", req.request_id, replacement, why)
+            self.stats.num_searched_values += 1
         self.planner.requeue(req)
         self.log.current.rollbacks += 1
         logger.debug("rolled back %s to output token %d: %s", req.request_id, keep, why)

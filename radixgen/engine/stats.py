@@ -67,6 +67,8 @@ class SchedulerStats:
         output the constraint allows does not fit the budget)."""
         self.num_constraint_violations = 0
         """Requests that ended ``constraint_violation`` (validators kept rejecting)."""
+        self.num_searched_values = 0
+        """Rejected numbers replaced by a valid value found by search (``Validation.search_number``)."""
         self.schedule_time_s = 0.0
         self.forward_time_s = 0.0
         self.queue_depth = 0
@@ -116,7 +118,7 @@ class SchedulerStats:
         keys = ("num_steps", "num_prefill_steps", "num_decode_steps", "prompt_tokens", "cached_prompt_tokens",
                 "computed_tokens", "generated_tokens", "evicted_tokens", "num_retractions", "num_repeat_retractions",
                 "num_rollbacks", "num_jump_forwards", "drafted_tokens", "accepted_tokens", "num_shortened",
-                "num_constraint_refusals", "num_constraint_violations", "schedule_time_s",
+                "num_constraint_refusals", "num_constraint_violations", "num_searched_values", "schedule_time_s",
                 "forward_time_s", "queue_depth", "running", "kv_used", "cached_tokens")
         out: dict[str, float] = {k: getattr(self, k) for k in keys}
         out |= {"cache_hit_rate": self.cache_hit_rate, "avg_batch_size": self.avg_batch_size,

@@ -569,6 +569,27 @@ def test_auto_tools_with_a_response_format_give_valid_calls_or_the_parsed_answer
     assert set(outcomes) == {"calls", "answer"}, outcomes  # both ways out are open (seeded: 7 calls, 3 answers)
 
 
+def test_a_response_format_the_grammar_cannot_fully_enforce_says_what_it_left_out(server: LiveServer) -> None:
+    """A lenient compile (llguidance drops ``not``) is reported on the choice; the answer is
+    still checked against the whole schema by the validators."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "not": {"multipleOf": 2}}},
+              "required": ["n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "odd", "schema": schema}}
+    c = client(server)
+    resp = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=24, temperature=0,
+                                     response_format=fmt)  # type: ignore[call-overload]
+    choice = resp.choices[0]
+    warnings = (choice.model_extra or {}).get("constraint_warnings")
+    assert warnings and any('"not"' in w for w in warnings), choice
+    if choice.finish_reason == "stop":
+        jsonschema.validate(json.loads(choice.message.content or ""), schema)
+    plain = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=24, temperature=0,
+                                      response_format={"type": "json_object"})  # type: ignore[call-overload]
+    assert (plain.choices[0].model_extra or {}).get("constraint_warnings") is None
+
+
 def test_json_finishes_within_max_tokens_and_a_budget_too_small_is_a_400(server: LiveServer) -> None:
     """Through the openai client: at a tight budget every answer is complete JSON ('stop', flagged
     shortened where steered, counted in /metrics); below the schema's shortest output, a 400 that

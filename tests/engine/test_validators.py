@@ -110,3 +110,53 @@ def test_tool_call_arguments_the_automaton_skips_are_enforced(make_engine: Calla
     assert not first.finished and first.new_text.startswith("<tool_call>") and '"legs"' not in first.new_text
     assert "".join(d.new_text for d in deltas) == out.text
     assert [t for d in deltas for t in d.new_token_ids] == out.token_ids
+
+
+# valid answers: positive multiples of 5, 7 and 11 (385, 770, ...), through ``not`` and ``anyOf``,
+# which no grammar backend enforces: the grammar lets any integer through
+CHAINED = {"type": "object", "properties": {"n": {
+    "type": "integer", "minimum": 1,
+    "not": {"anyOf": [{"not": {"multipleOf": 5}}, {"not": {"multipleOf": 7}}, {"not": {"multipleOf": 11}}]}}},
+    "required": ["n"], "additionalProperties": False}
+
+
+def test_search_finds_the_smallest_number_the_validators_accept() -> None:
+    from radixgen.constraints.events import SchemaValidators, Validation
+
+    validation = Validation(schema=SchemaValidators(CHAINED))
+    first = validation.feed('{"n": 12}')  # the number completes at the "}" after it
+    assert first is not None and first.path == ("n",) and first.replacement is None, "the model's own next try first"
+    validation.reset("")
+    second = validation.feed('{"n": 7}')
+    assert second is not None and second.replacement == "385" and second.end == len('{"n": 7')
+    # the user's validators count too, and tenths follow where no integer fits
+    picky = Validation(user={"$.x": lambda v: v > 0 and v < 1})
+    assert picky.feed('{"x": 3}') is not None
+    picky.reset("")
+    assert picky.feed('{"x": 5}').replacement == "0.1"
+    nothing = Validation(user={"$.x": lambda v: False})
+    nothing.feed('{"x": 1}')
+    nothing.reset("")
+    assert nothing.feed('{"x": 2}').replacement is None
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_number_the_grammar_cannot_constrain_is_searched_not_resampled_blindly(
+    make_engine: Callable[..., Engine], backend: str,
+) -> None:
+    engine = make_engine(grammar_backend=backend)
+    out = engine.generate("Number:", SamplingParams(max_new_tokens=40, temperature=0, json_schema=CHAINED))
+    assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.text, out.error)
+    value = json.loads(out.text)
+    jsonschema.validate(value, CHAINED)
+    assert value["n"] == 385, "the smallest valid value"
+    stats = engine.stats_snapshot()
+    assert stats["num_searched_values"] == 1 and stats["num_rollbacks"] == 2
+
+
+def test_what_a_lenient_grammar_leaves_out_is_reported(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine(grammar_backend="llguidance")
+    out = engine.generate("Number:", SamplingParams(max_new_tokens=40, temperature=0, json_schema=CHAINED))
+    assert out.constraint_warnings and any('"not"' in w for w in out.constraint_warnings), out.constraint_warnings
+    plain = engine.generate("Animal:", SamplingParams(max_new_tokens=40, temperature=0, json_schema=SCHEMA))
+    assert plain.constraint_warnings is None
