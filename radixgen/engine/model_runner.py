@@ -124,6 +124,11 @@ class ModelRunner:
         """float32 logits [B + sum(verify_counts) + S, vocab]: the last new token of every request;
         then, per request with forced tokens to verify, the positions just before each of them;
         then the S prompt positions of ``plan.prompt_scoring``."""
+        return self.forward_with(plan, [])[0]
+
+    def forward_with(self, plan: StepPlan, extra: list[np.ndarray]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``forward``, with ``extra`` host arrays (the sampler's) uploaded in the step's one copy:
+        (logits, those arrays on the device)."""
         last = np.cumsum(plan.extend_lens) - 1
         if plan.verify_counts is not None and plan.verify_counts.any():
             extra = [np.arange(end - m - 1, end - 1) for end, m in zip(last + 1, plan.verify_counts, strict=True) if m]
@@ -133,14 +138,17 @@ class ModelRunner:
         batch = plan.attention_batch()
         # the step's inputs, the attention backend's index arrays and the grammar bitmask in one copy
         masks = [] if plan.bitmask is None else [plan.bitmask]
+        attention_host = self.attention.host_arrays(batch)
         input_ids, positions, logits_index, *rest = upload(
-            [plan.input_ids, plan.positions, last, *masks, *self.attention.host_arrays(batch)], self.device)
+            [plan.input_ids, plan.positions, last, *masks, *attention_host, *extra], self.device)
+        extra_uploaded = rest[len(rest) - len(extra):] if extra else []
+        rest = rest[: len(rest) - len(extra)]
         bitmask, attention_arrays = (rest[0], rest[1:]) if masks else (None, rest)
         metadata = self.attention.prepare_uploaded(batch, attention_arrays)
         logits = self.model(input_ids, positions, self.attention, metadata, self.pool.k, self.pool.v, logits_index)
         if bitmask is not None:  # in place, before penalties and bias, which keep -inf as it is
             apply_bitmask(logits[: plan.batch_size], bitmask)
-        return logits
+        return logits, extra_uploaded
 
 
 def split_prompt_scores(plan: StepPlan, logits: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:

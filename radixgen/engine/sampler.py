@@ -7,6 +7,7 @@ or in any batch, and after being retracted and resumed, with no per-request gene
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,9 @@ from radixgen.engine.batch import StepKind, StepPlan
 from radixgen.engine.request import Request
 from radixgen.engine.row_params import RowParams
 from radixgen.staging import ReadBack, upload
+
+StagedBuild = Callable[[list[torch.Tensor]], "SamplingBatch"]
+"""Makes a sampling batch of its host arrays once they are on the device."""
 
 _M32 = 0xFFFFFFFF
 
@@ -111,6 +115,14 @@ class SamplingBatch:
         """The batch of the requests holding pool ``rows``, which have generated ``counters``
         tokens so far: gathers over the row table; only the rows with a logit bias or an unmet
         min_new_tokens look at their request."""
+        host, build = cls.staged_rows(table, rows, counters, vocab_size, eos_token_ids)
+        return build(upload(host, device))
+
+    @classmethod
+    def staged_rows(cls, table: RowParams, rows: np.ndarray, counters: np.ndarray, vocab_size: int,
+                    eos_token_ids: tuple[int, ...] = ()) -> tuple[list[np.ndarray], StagedBuild]:
+        """``from_rows`` in two halves: the host arrays to upload (with the step's own, in one
+        copy), and the function that makes the batch of them once they are on the device."""
         temps = table.temperature[rows]
         top_p = table.top_p[rows]
         top_k = table.top_k[rows]
@@ -155,30 +167,33 @@ class SamplingBatch:
         if has_penalties:
             columns += [staged(penalized.astype(np.int64)), pen(table.repetition), pen(table.frequency),
                         pen(table.presence)]
-        uploaded = upload(host, device)
-        t = [uploaded[i] for i in columns]
-        return cls(
-            temperatures=t[0], top_p=t[1], top_k=t[2], min_p=t[3], seeds=t[4], counters=t[5],
-            is_greedy=greedy,
-            sampled_rows=t[7],
-            max_top_k=int(top_k[sampled].max()) if sampled.any() else 0,
-            need_top_p=bool((top_p[sampled] < 1.0).any()),
-            need_top_k=bool((top_k[sampled] < vocab_size).any()),
-            need_min_p=bool((min_p[sampled] > 0.0).any()),
-            max_top_logprobs=int(top_logprobs.max()) if len(rows) else 0,
-            want_logprobs=bool(table.logprobs[rows].any()),
-            rows=t[6],
-            penalized=t[8] if has_penalties else None,
-            repetition=t[9] if has_penalties else None,
-            frequency=t[10] if has_penalties else None,
-            presence=t[11] if has_penalties else None,
-            bias_index=(uploaded[bias[0]], uploaded[bias[1]]) if bias else None,
-            bias_values=uploaded[bias[2]] if bias else None,
-            min_rows=min_rows, min_tokens=min_tokens, min_counters=min_counters,
-            min_banned=[uploaded[i] for i in banned] if banned else None,
-            penalized_host=penalized.astype(np.int64) if has_penalties else None,
-            biased_host=np.array(biased, dtype=np.int64) if biased else None,
-        )
+
+        def build(uploaded: list[torch.Tensor]) -> SamplingBatch:
+            t = [uploaded[i] for i in columns]
+            return cls(
+                temperatures=t[0], top_p=t[1], top_k=t[2], min_p=t[3], seeds=t[4], counters=t[5],
+                is_greedy=greedy,
+                sampled_rows=t[7],
+                max_top_k=int(top_k[sampled].max()) if sampled.any() else 0,
+                need_top_p=bool((top_p[sampled] < 1.0).any()),
+                need_top_k=bool((top_k[sampled] < vocab_size).any()),
+                need_min_p=bool((min_p[sampled] > 0.0).any()),
+                max_top_logprobs=int(top_logprobs.max()) if len(rows) else 0,
+                want_logprobs=bool(table.logprobs[rows].any()),
+                rows=t[6],
+                penalized=t[8] if has_penalties else None,
+                repetition=t[9] if has_penalties else None,
+                frequency=t[10] if has_penalties else None,
+                presence=t[11] if has_penalties else None,
+                bias_index=(uploaded[bias[0]], uploaded[bias[1]]) if bias else None,
+                bias_values=uploaded[bias[2]] if bias else None,
+                min_rows=min_rows, min_tokens=min_tokens, min_counters=min_counters,
+                min_banned=[uploaded[i] for i in banned] if banned else None,
+                penalized_host=penalized.astype(np.int64) if has_penalties else None,
+                biased_host=np.array(biased, dtype=np.int64) if biased else None,
+            )
+
+        return host, build
 
 
 def _owner(table: RowParams, row: int) -> Request:
@@ -198,14 +213,27 @@ class SamplingBatchCache:
         self._cached: tuple[int, SamplingBatch] | None = None
 
     def get(self, plan: StepPlan) -> SamplingBatch:
+        host, build = self.stage(plan)
+        return build(upload(host, self.device))
+
+    def stage(self, plan: StepPlan) -> tuple[list[np.ndarray], StagedBuild]:
+        """The step's sampling batch in two halves (``SamplingBatch.staged_rows``): nothing to
+        upload while the decode batch is unchanged."""
         cached = self._cached
         if plan.batch_version is not None and cached is not None and cached[0] == plan.batch_version:
             cached[1].advance()  # every request produced exactly one token since
-            return cached[1]
-        batch = SamplingBatch.from_rows(self.row_params, plan.rows, self._counters(plan), self.vocab_size,
-                                        self.device, self.eos_token_ids)
-        self._cached = (plan.batch_version, batch) if plan.batch_version is not None else None
-        return batch
+            batch = cached[1]
+            return [], lambda _uploaded: batch
+        host, build = SamplingBatch.staged_rows(self.row_params, plan.rows, self._counters(plan), self.vocab_size,
+                                                self.eos_token_ids)
+        version = plan.batch_version
+
+        def build_and_keep(uploaded: list[torch.Tensor]) -> SamplingBatch:
+            made = build(uploaded)
+            self._cached = (version, made) if version is not None else None
+            return made
+
+        return host, build_and_keep
 
     def _counters(self, plan: StepPlan) -> np.ndarray:
         """Tokens each request has generated: a row whose newest token is this step's first

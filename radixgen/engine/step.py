@@ -44,7 +44,9 @@ class StepPipeline:
             if early_mask:
                 plan.bitmask = self.constraints.host_bitmask(plan)
             with torch.inference_mode():  # logits are inference tensors; sampling edits them in place
-                logits = self.runner.forward(plan)
+                # so are the sampler's parameters when the batch changed: one upload for the step
+                staged = self.sampling_batches.stage(plan) if early_mask else None
+                logits, sampling_uploaded = self.runner.forward_with(plan, staged[0] if staged else [])
                 if plan.prompt_scoring is not None:
                     logits, scores = split_prompt_scores(plan, logits)
                     _record_prompt_scores(plan, scores)
@@ -55,7 +57,7 @@ class StepPipeline:
                 else:
                     if plan.verify_counts is not None:
                         logits = self.constraints.verify_forced(plan, logits)
-                    sampling = self.sampling_batches.get(plan)
+                    sampling = staged[1](sampling_uploaded) if staged else self.sampling_batches.get(plan)
                 result = self.sampler(logits, sampling, None if early_mask else self.constraints.bitmask(plan))
         except Exception as e:  # an internal fault fails this step's requests, not the engine
             logger.exception("step failed")

@@ -109,3 +109,30 @@ def test_verification_steps_read_nothing_before_their_one_read_back(make_engine:
     assert all(len(o.token_ids) == 16 for o in outs[:3]) and outs[3].text.startswith("{")
     assert device_reads["steps"] > 0
     assert not device_reads["reads"], "\n".join(device_reads["reads"][:3])
+
+
+def test_a_plain_step_uploads_once_with_the_sampling_parameters(
+    make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sampler's per-row parameters go up in the step's one copy, also in steps where the
+    batch changed (a request joined or left) and the sampler built new ones."""
+    import radixgen.engine.sampler as sampler
+
+    engine = make_engine()
+    calls: list[str] = []
+    for module in (model_runner, sampler):
+        real = module.upload
+
+        def counted(*args: Any, _real: Any = real, _name: str = module.__name__) -> list[torch.Tensor]:
+            if threading.current_thread().name.startswith("radixgen-engine"):
+                calls.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(module, "upload", counted)
+    steps_before = engine.stats_snapshot()["num_steps"]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.8, top_p=0.9, seed=n, ignore_eos=True,
+                             repetition_penalty=1.1 if n % 2 else 1.0) for n in (3, 6, 9, 12)]
+    outs = engine.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], params)
+    assert [o.completion_tokens for o in outs] == [3, 6, 9, 12]
+    steps = engine.stats_snapshot()["num_steps"] - steps_before
+    assert calls == ["radixgen.engine.model_runner"] * steps, calls

@@ -178,16 +178,16 @@ def test_duplicate_request_id_is_refused(tiny_engine: Engine) -> None:
 
 def test_internal_fault_fails_the_step_not_the_engine(make_engine: Callable[..., Engine]) -> None:
     engine = make_engine()
-    real_forward = engine.runner.forward
+    real_forward = engine.runner.forward_with
     calls = {"n": 0}
 
-    def flaky(plan: Any) -> Any:
+    def flaky(plan: Any, extra: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected fault")
-        return real_forward(plan)
+        return real_forward(plan, extra)
 
-    engine.runner.forward = flaky  # type: ignore[method-assign]
+    engine.runner.forward_with = flaky  # type: ignore[method-assign]
     out = engine.generate(PROMPTS[0], greedy(10))
     assert out.finish_reason is FinishReason.ERROR
     assert out.error is not None and "injected fault" in out.error
