@@ -158,6 +158,20 @@ class BudgetSteering:
         text = dfa.completion(dfa_state)
         return Completion(text, self.completer.encode(text)) if text is not None else None
 
+    def _still_completes(self, matcher: Matcher, completion: Completion) -> bool:
+        """Whether ``completion``'s tokens are accepted from ``matcher``'s state and end the
+        output there (the matcher is left as it was)."""
+        accepted = 0
+        try:
+            for t in completion.token_ids:
+                if not matcher.accept(t):
+                    return False
+                accepted += 1
+            return self.completer.can_stop(matcher)
+        finally:
+            if accepted:
+                matcher.rollback(accepted)
+
     def token_text(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
@@ -193,7 +207,10 @@ class BudgetSteering:
         if not near:
             state.stale = state.stale or touched
             return None  # far from the end: the completion from a few tokens back is good enough
-        if before is not None and not (touched or state.stale):
+        if before is not None and not (touched or state.stale) and not (
+                state.in_string and not self._still_completes(matcher, before)):
+            # inside a string the completion stays put, unless the string's own constraint (a
+            # pattern, a length) needs other characters from here: "-20-2" closes with '0"'
             after: Completion | None = before
         elif before is not None and not state.stale and text and before.text.startswith(text):
             # the model took the first steps of the cheapest completion: the rest still completes

@@ -200,3 +200,21 @@ def test_budget_state_treats_key_text_as_structure_and_value_text_not() -> None:
     assert state.containers == "{" and not state.in_string
     state.reset('{"a": [{"b": "x')
     assert state.containers == "{[{" and state.in_string and not state.in_key
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("budget", [12, 16, 24])
+def test_a_pattern_string_closes_within_the_budget(real_engine: Engine, budget: int) -> None:
+    """Inside a string under a pattern the completion changes with every character ('"' after
+    "-20", '20"' after "-"): steering that kept the one from the string's start let the model run
+    past the point where the string could still close ("-20-20-20..." cut at max_tokens)."""
+    prompt = real_engine.apply_chat_template([{"role": "user", "content": "Write the number pi with many digits."}])
+    schemas = [{"type": "string", "pattern": "^(-20)+$"},
+               {"type": "object", "properties": {"p": {"type": "string", "pattern": "^[0-9]+(-20)*$"}},
+                "required": ["p"]}]
+    outs = real_engine.generate([prompt] * len(schemas), [
+        SamplingParams(max_new_tokens=budget, temperature=0, json_schema=s) for s in schemas])
+    for out, schema in zip(outs, schemas, strict=True):
+        assert out.finish_reason is FinishReason.STOP, (budget, out.text)
+        assert out.completion_tokens <= budget
+        jsonschema.validate(json.loads(out.text), schema)
