@@ -15,11 +15,11 @@ import contextlib
 import ctypes
 import ctypes.util
 import logging
+import math
 import mmap
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ def keep_freed_memory_for_reuse() -> bool:
 
 
 def release_freed_memory() -> None:
-    """Hand the memory malloc holds free back to the kernel once (``malloc_trim``): after the
-    weights moved out of the heap, their old pages would otherwise stay resident for good
+    """Hand the memory malloc holds free back to the kernel once (``malloc_trim``): after
+    ``move_into_huge_pages`` the weights' old heap pages would otherwise stay resident for good
     (``keep_freed_memory_for_reuse`` turns trimming off)."""
     name = ctypes.util.find_library("c")
     if not name:
@@ -86,11 +86,7 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor:
 
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """``torch.empty(shape, dtype=dtype)`` on the CPU, in huge pages (``huge_page_bytes``)."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return huge_page_bytes(numel * itemsize).view(dtype).view(shape)
+    return huge_page_bytes(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
 
 def _round_up(n: int, to: int) -> int:
@@ -100,7 +96,8 @@ def _round_up(n: int, to: int) -> int:
 def move_into_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     """Move the storages behind ``tensors`` (CPU, strided) into one huge-page arena, in place:
     each tensor keeps its identity, shape, strides and sharing (tied weights stay tied, views
-    stay views of the same storage). Returns the bytes moved."""
+    stay views of the same storage; a tensor listed twice is moved once). Returns the bytes
+    moved. The memory they leave stays with malloc: ``release_freed_memory`` hands it back."""
     storages: dict[int, torch.UntypedStorage] = {}
     users: dict[int, list[torch.Tensor]] = {}
     for tensor in tensors:
@@ -137,22 +134,9 @@ def move_into_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
                     arena_storage, (base + start) // itemsize + tensor.storage_offset(), tensor.shape, tensor.stride(),
                 )
                 tensor.data = moved
-    storages.clear()
-    users.clear()
-    release_freed_memory()
     return total
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
 
-
-def model_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """Every parameter and buffer of ``module`` (shared ones once)."""
-    seen: set[int] = set()
-    out = []
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            out.append(tensor)
-    return out

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from radixgen.host_memory import HUGE_PAGE, huge_page_empty, model_tensors, move_into_huge_pages
+from radixgen.host_memory import HUGE_PAGE, huge_page_empty, move_into_huge_pages
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -58,7 +58,7 @@ def test_move_into_huge_pages_keeps_values_identity_and_ties() -> None:
     embed, bias, table = model.embed, model.head.bias, model.table
     before = {name: t.clone() for name, t in [("embed", embed), ("bias", bias), ("table", table)]}
     old_ptr = embed.data_ptr()
-    moved = move_into_huge_pages(model_tensors(model))
+    moved = move_into_huge_pages([*model.parameters(), *model.buffers()])
     assert moved >= 10 * 4 * 4 + 10 * 4 + 12 * 8
     assert model.embed is embed and model.head.weight is model.embed and model.head.bias is bias
     assert embed.data_ptr() != old_ptr

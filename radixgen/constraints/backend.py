@@ -7,6 +7,7 @@ Three objects, as in xgrammar and outlines-core: a backend compiles a spec into 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -61,6 +62,15 @@ class Matcher(ABC):
 
     @abstractmethod
     def rollback(self, num_tokens: int) -> None: ...
+
+    def accept_all(self, token_ids: Sequence[int]) -> bool:
+        """Accept every token in order, or none: at the first refused one the tokens accepted
+        before it are rolled back and False is returned."""
+        for n, t in enumerate(token_ids):
+            if not self.accept(t):
+                self.rollback(n)
+                return False
+        return True
 
     @abstractmethod
     def is_terminated(self) -> bool: ...

@@ -108,7 +108,7 @@ class Completer:
                     return Completion(text, self.encode(text))
                 forced = matcher.forced_string()
                 forced_ids = self.encode(forced) if forced else ()
-                if forced_ids and self._accept_all(matcher, forced_ids):
+                if forced_ids and matcher.accept_all(forced_ids):
                     steps.append((len(forced_ids), forced, None))
                     size += len(forced)
                     continue
@@ -144,13 +144,6 @@ class Completer:
                 return True
         return False
 
-    def _accept_all(self, matcher: Matcher, ids: tuple[int, ...]) -> bool:
-        for n, t in enumerate(ids):
-            if not matcher.accept(t):
-                matcher.rollback(n)
-                return False
-        return True
-
     def _options(self, matcher: Matcher, *, avoid: str | None) -> Iterator[str]:
         """The allowed next characters in preference order, each yielded with ``matcher``
         advanced by it (the consumer rolls it back before asking for the next). Probing with
@@ -181,7 +174,7 @@ class Completer:
                     continue
                 forced = matcher.forced_string()
                 forced_ids = self.encode(forced) if forced else ()
-                ends = bool(forced_ids) and self._accept_all(matcher, forced_ids)
+                ends = bool(forced_ids) and matcher.accept_all(forced_ids)
                 if ends:
                     ends = self.can_stop(matcher)
                     matcher.rollback(len(forced_ids))

@@ -12,7 +12,11 @@ from radixgen.config import AttentionBackend, EngineConfig
 from radixgen.constraints.mask import apply_bitmask
 from radixgen.engine.batch import StepPlan
 from radixgen.engine.kv_pool import KVPool
-from radixgen.host_memory import keep_freed_memory_for_reuse, model_tensors, move_into_huge_pages
+from radixgen.host_memory import (
+    keep_freed_memory_for_reuse,
+    move_into_huge_pages,
+    release_freed_memory,
+)
 from radixgen.kernels import CpuKernels, cpu_kernels
 from radixgen.models import CausalLM, LoadedModel, load_model, torch_dtype
 from radixgen.models.attention import create_backend
@@ -87,7 +91,8 @@ class ModelRunner:
         if small_linear_max_tokens <= 0:
             model.drop_plain_weights()
         if device.type == "cpu":
-            moved = move_into_huge_pages(model_tensors(model))
+            moved = move_into_huge_pages([*model.parameters(), *model.buffers()])
+            release_freed_memory()  # the heap pages the weights left
             logger.info("weights: %.1f MiB in one huge-page arena", moved / 2**20)
 
     def kernels_in_use(self) -> dict[str, str]:
@@ -131,19 +136,18 @@ class ModelRunner:
         (logits, those arrays on the device)."""
         last = np.cumsum(plan.extend_lens) - 1
         if plan.verify_counts is not None and plan.verify_counts.any():
-            extra = [np.arange(end - m - 1, end - 1) for end, m in zip(last + 1, plan.verify_counts, strict=True) if m]
-            last = np.concatenate([last, *extra])
+            verify_rows = [np.arange(end - m - 1, end - 1)
+                           for end, m in zip(last + 1, plan.verify_counts, strict=True) if m]
+            last = np.concatenate([last, *verify_rows])
         if plan.prompt_scoring is not None:
             last = np.concatenate([last, plan.prompt_scoring.token_index])
         batch = plan.attention_batch()
         # the step's inputs, the attention backend's index arrays and the grammar bitmask in one copy
         masks = [] if plan.bitmask is None else [plan.bitmask]
-        attention_host = self.attention.host_arrays(batch)
         input_ids, positions, logits_index, *rest = upload(
-            [plan.input_ids, plan.positions, last, *masks, *attention_host, *extra], self.device)
-        extra_uploaded = rest[len(rest) - len(extra):] if extra else []
-        rest = rest[: len(rest) - len(extra)]
-        bitmask, attention_arrays = (rest[0], rest[1:]) if masks else (None, rest)
+            [plan.input_ids, plan.positions, last, *masks, *extra, *self.attention.host_arrays(batch)], self.device)
+        bitmask = rest.pop(0) if masks else None
+        extra_uploaded, attention_arrays = rest[: len(extra)], rest[len(extra) :]
         metadata = self.attention.prepare_uploaded(batch, attention_arrays)
         logits = self.model(input_ids, positions, self.attention, metadata, self.pool.k, self.pool.v, logits_index)
         if bitmask is not None:  # in place, before penalties and bias, which keep -inf as it is

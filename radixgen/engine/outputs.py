@@ -80,11 +80,8 @@ class OutputProcessor:
             if len(tokens) > 1 and req.budget is not None and self.steering is not None:
                 self.steering.follow_forced(req, tokens[1:])
         for i, t in enumerate(tokens):
-            if i >= forced_from:  # forced by the constraint (or the budget): probability 1 under it
-                if req.params.logprobs:
-                    req.output_logprobs.append(0.0)
-                if req.params.top_logprobs:
-                    req.output_top_logprobs.append([(t, 0.0)])
+            if i >= forced_from:
+                self._record_forced_logprobs(req, t)
             reason = self._append_one(req, t)
             if reason is not None or req.pending_rollback is not None:
                 if i + 1 < len(tokens):
@@ -213,10 +210,8 @@ class OutputProcessor:
         ids = forced_token_ids(self.tokenizer, forced)[:room]
         if len(ids) < 2:
             return [token]
-        for n, t in enumerate(ids):
-            if not matcher.accept(t):
-                matcher.rollback(n)
-                return [token]
+        if not matcher.accept_all(ids):
+            return [token]
         if req.params.is_greedy:
             req.forced_pending = len(ids)
         return [token, *ids]
@@ -271,17 +266,12 @@ class OutputProcessor:
         keep = len(req.output_ids)
         if not ids or len(ids) >= req.params.max_new_tokens - keep:
             return False
-        for n, t in enumerate(ids):
-            if not matcher.accept(t):
-                matcher.rollback(n)
-                return False
+        if not matcher.accept_all(ids):
+            return False
         if req.budget is not None and self.steering is not None:
             self.steering.follow_forced(req, ids)
         for t in ids:
-            if req.params.logprobs:
-                req.output_logprobs.append(0.0)
-            if req.params.top_logprobs:
-                req.output_top_logprobs.append([(t, 0.0)])
+            self._record_forced_logprobs(req, t)
             if self._append_one(req, t) is not None or req.pending_rollback is not None:
                 matcher.rollback(len(ids))
                 req.pending_rollback = None
@@ -289,6 +279,15 @@ class OutputProcessor:
                 self.rewind(req, keep)
                 return False
         return True
+
+    @staticmethod
+    def _record_forced_logprobs(req: Request, token: int) -> None:
+        """A token forced by the constraint (or the budget, or a validator's search) has
+        probability 1 under it."""
+        if req.params.logprobs:
+            req.output_logprobs.append(0.0)
+        if req.params.top_logprobs:
+            req.output_top_logprobs.append([(token, 0.0)])
 
     @staticmethod
     def _token_at(req: Request, char: int) -> int:

@@ -299,12 +299,12 @@ class Request:
     """(forced tokens to keep, the model's token instead of the next one, its log-probability and
     top log-probabilities) found by verification."""
     pending_rollback: tuple[int, int, str] | None = None
-    constraint_warnings: list[str] | None = None
-    """What the compiled grammar leaves to the validators (``Grammar.not_enforced``)."""
+    """(output tokens to keep, position whose token to ban, why) set by a validator rejection."""
     replacement_text: str | None = None
     """Written in place of the rolled-back value: a valid value the validators' search found
     (``Validation.search_number``), from the kept tokens' end."""
-    """(output tokens to keep, position whose token to ban, why) set by a validator rejection."""
+    constraint_warnings: list[str] | None = None
+    """What the compiled grammar leaves to the validators (``Grammar.not_enforced``)."""
     num_rollbacks: int = 0
     dead_end: str | None = None
     """Why the constraint (with the validators' bans) allowed no token at this step, if it did not."""

@@ -161,16 +161,13 @@ class BudgetSteering:
     def _still_completes(self, matcher: Matcher, completion: Completion) -> bool:
         """Whether ``completion``'s tokens are accepted from ``matcher``'s state and end the
         output there (the matcher is left as it was)."""
-        accepted = 0
+        if not matcher.accept_all(completion.token_ids):
+            return False
         try:
-            for t in completion.token_ids:
-                if not matcher.accept(t):
-                    return False
-                accepted += 1
             return self.completer.can_stop(matcher)
         finally:
-            if accepted:
-                matcher.rollback(accepted)
+            if completion.token_ids:
+                matcher.rollback(len(completion.token_ids))
 
     def token_text(self, token_id: int) -> str:
         text = self._texts.get(token_id)
@@ -246,13 +243,11 @@ class BudgetSteering:
             state.completion = after
             return None
         ids = list(fresh.token_ids) if finishes else list(fresh.token_ids[:1])
-        for n, t in enumerate(ids):
-            if not matcher.accept(t):  # the completion's tokenization is not the automaton's: give up
-                matcher.rollback(n)
-                matcher.accept(token_id)
-                state.scan(text)
-                state.disabled = True
-                return None
+        if not matcher.accept_all(ids):  # the completion's tokenization is not the automaton's: give up
+            matcher.accept(token_id)
+            state.scan(text)
+            state.disabled = True
+            return None
         for t in ids:
             state.scan(self.token_text(t))
         state.completion = Completion("", ()) if finishes else None

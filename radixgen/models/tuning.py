@@ -16,10 +16,9 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -149,15 +148,11 @@ def _timed_ms(run: Callable[[], object], repeats: int = _REPEATS) -> float:
     return best * 1e3
 
 
-def _layer_shape(model: CausalLM) -> tuple[int, int, int]:
-    cfg = model.config
-    return cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-
 def _attention_case(
     model: CausalLM, dtype: torch.dtype, batch: AttentionBatch, pool_slots: int, max_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LayerAttention]:
-    heads, kv_heads, head_dim = _layer_shape(model)
+    cfg = model.config
+    heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     generator = torch.Generator().manual_seed(0)
     k_cache = torch.randn(pool_slots, kv_heads, head_dim, generator=generator).to(dtype)
     v_cache = torch.randn(pool_slots, kv_heads, head_dim, generator=generator).to(dtype)
@@ -327,10 +322,3 @@ def kernel_choices(
         logger.warning("could not cache the kernel choices (%s); the next start times them again", exc)
     return result
 
-
-def rows(choices: KernelChoices) -> Iterable[dict[str, Any]]:
-    """One table row per op (``radixgen tune``)."""
-    for c in choices.choices:
-        yield {"op": c.op, "chosen": c.chosen,
-               **{f"{name}_ms": round(ms, 3) for name, ms in c.times_ms.items()},
-               "skipped": "; ".join(f"{name}: {why}" for name, why in c.skipped.items())}
