@@ -16,7 +16,11 @@ bfloat16 and measures, greedy with EOS ignored:
 - prefill tok/s: 32 distinct prompts of 512 tokens, one new token each, prefix cache off;
 - JSON-schema decoding at batch 64 beside the same batch unconstrained (tok/s of each);
 - gpu_busy: CUDA kernel time over wall time during batch-64 decoding (torch.profiler);
-- transformers' ``generate`` on a model of the same shape on the same GPU, batch 1 and 64.
+- transformers' ``generate`` on a model of the same shape on the same GPU, batch 1 and 64;
+- the decode rates again with CUDA graphs and overlapped scheduling each on and off (the main
+  row is both on, the defaults on CUDA), with a per-step breakdown from torch.profiler: device
+  (kernel) time per step, the time per step the device sits idle waiting on the host, and
+  kernel or graph launches per step.
 
 ``--device cpu --quick`` runs the same code on tiny models here (the test suite does, so the
 script stays runnable where no GPU is). Prints one table and writes ``gpu_check.json``.
@@ -173,6 +177,58 @@ def gpu_busy(engine: Engine, batch: int, new_tokens: int) -> float | None:
     return kernel_us * 1e-6 / elapsed
 
 
+VARIANTS = {
+    "graphs+overlap": {"cuda_graphs": True, "overlap": True},
+    "graphs": {"cuda_graphs": True, "overlap": False},
+    "overlap": {"cuda_graphs": False, "overlap": True},
+    "eager": {"cuda_graphs": False, "overlap": False},
+}
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch", "cuLaunchKernelEx")
+
+
+def step_breakdown(engine: Engine, batch: int, new_tokens: int) -> dict[str, float | None]:
+    """Per decode step while ``batch`` rows decode: device time, device idle time (wall - device),
+    launches. None where there is no GPU."""
+    if not torch.cuda.is_available():
+        return {"device_ms": None, "idle_ms": None, "launches": None}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = _prompts(engine.tokenizer, batch, 64, 80)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    engine.generate(prompts[:2], params)
+    steps_before = engine.scheduler.stats.num_steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        elapsed, _ = _timed(engine, prompts, params)
+    steps = max(1, engine.scheduler.stats.num_steps - steps_before)
+    events = prof.events()
+    kernel_s = sum(e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CUDA) * 1e-6
+    launches = sum(1 for e in events if e.device_type == DeviceType.CPU and e.name in _LAUNCHES)
+    return {"device_ms": kernel_s * 1e3 / steps, "idle_ms": max(0.0, elapsed - kernel_s) * 1e3 / steps,
+            "launches": launches / steps}
+
+
+def variant_rows(name: str, loaded: LoadedModel, device: str, batches: tuple[int, ...], short: int, long: int,
+                 steps: int) -> list[dict[str, Any]]:
+    rows = []
+    for variant, flags in VARIANTS.items():
+        engine = Engine(EngineConfig(device=device, dtype="bfloat16", disable_radix_cache=True,
+                                     max_running_requests=max(batches), kv_cache_tokens=max(batches) * 200 + 4096,
+                                     max_context_len=1024, **flags), loaded=loaded)
+        try:
+            row: dict[str, Any] = {"model": name, "variant": variant,
+                                   "decode_runner": engine.runner.decode_runner.name}
+            for batch in (batches[0], batches[-1]):
+                row[f"decode_b{batch}"] = decode_rate(engine, batch, short, long, seed=batch)
+                for key, value in step_breakdown(engine, batch, steps).items():
+                    row[f"{key}_b{batch}"] = value
+        finally:
+            engine.shutdown()
+        rows.append(row)
+        print(json.dumps(row, default=str))
+    return rows
+
+
 def hf_generate_rate(hf_fields: dict[str, Any], device: str, dtype: torch.dtype, batch: int, new_tokens: int,
                      vocab: int) -> float:
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -234,7 +290,7 @@ def main() -> None:
     dtype = torch.bfloat16
     batches = (1, 4) if args.quick else (1, 64, 256)
     short, long = (2, 6) if args.quick else (16, 80)
-    rows = []
+    rows, variants = [], []
     for name, fields in shapes.items():
         if args.quick:
             fields = {**fields, **TINY}
@@ -255,8 +311,10 @@ def main() -> None:
             row["json_valid"] = f"{valid}/{json_batch}"
             busy = gpu_busy(engine, json_batch, 32)
             row["gpu_busy"] = busy
+            row["gpu_busy_b_max"] = gpu_busy(engine, max(batches), 32)
         finally:
             engine.shutdown()
+        variants += variant_rows(name, loaded, args.device, batches, short, long, 8 if args.quick else 32)
         del loaded, engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -269,11 +327,14 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row, default=str))
     report["rows"] = rows
+    report["variants"] = variants
     from benchmarks.common import print_table
 
     columns = ["model", "weights_GB", *[f"decode_b{b}" for b in batches], "step_ms_b1", "bound_share_b1", "prefill",
-               "json_b64", "plain_b64", "json_valid", "gpu_busy", *[k for k in rows[0] if k.startswith(("hf_", "vs_hf"))]]
+               "json_b64", "plain_b64", "json_valid", "gpu_busy", "gpu_busy_b_max",
+               *[k for k in rows[0] if k.startswith(("hf_", "vs_hf"))]]
     print_table(rows, columns)
+    print_table(variants, list(variants[0]))
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
     print(f"wrote {out / 'gpu_check.json'}")
 

@@ -158,6 +158,18 @@ class EngineConfig:
     budget_margin_tokens: int = 8
     """How close to that point steering starts closing softly: a string ends at the next word
     boundary, an array or object at its next item, before the rest is forced."""
+    overlap: bool | None = None
+    """Overlapped scheduling: the forward and sampling of each step run on a worker thread, and
+    the next decode step is planned and started as soon as this one's tokens are read back,
+    before its results are applied, so that the host's work (detokenising, stops, constraint
+    masks, streaming) hides behind the device's (engine/step.py). Outputs are the same either
+    way. None: on with CUDA, off on a CPU (where the forward already uses every core)."""
+    cuda_graphs: bool = True
+    """CUDA: decode steps replay CUDA graphs captured at start-up for batch-size buckets (1, 2, 4,
+    8, then steps of 8 up to ``cuda_graph_max_batch``), padded up to their bucket, so a step is
+    a few launches instead of one per op (engine/graph_runner.py). Ignored on a CPU."""
+    cuda_graph_max_batch: int = 256
+    """Largest decode batch run from a graph (capped at max_running_requests); larger ones run eagerly."""
     event_log: str | None = None
     """Path of a JSON-lines log with one record per scheduler step (off when None)."""
 
@@ -182,6 +194,11 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "float32" if self.device == "cpu" else "bfloat16"
+
+    @property
+    def use_overlap(self) -> bool:
+        """``overlap`` with None resolved for the device."""
+        return self.is_cuda if self.overlap is None else self.overlap
 
     @property
     def is_cuda(self) -> bool:

@@ -24,3 +24,9 @@ def test_the_gpu_check_runs_its_measurements_on_tiny_models(tmp_path: Path) -> N
             assert row[key] > 0, (key, row)
         assert row["json_valid"] == "4/4", row
     assert "decode_b1" in result.stdout and "vs_hf_b4" in result.stdout  # the table
+    variants = report["variants"]
+    assert [(v["model"], v["variant"]) for v in variants] == [
+        (model, variant) for model in ("SmolLM2-135M", "Llama-3.2-1B")
+        for variant in ("graphs+overlap", "graphs", "overlap", "eager")]
+    assert all(v["decode_b1"] > 0 and v["decode_b4"] > 0 for v in variants), variants
+    assert {v["decode_runner"] for v in variants} == {"eager"}, "no graphs on a CPU"

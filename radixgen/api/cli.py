@@ -36,7 +36,7 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls: type[EngineCon
     for f in dataclasses.fields(config_cls):
         flag = "--" + f.name.replace("_", "-")
         annotation = hints[f.name]
-        if annotation is bool:
+        if annotation is bool or annotation == bool | None:  # --flag / --no-flag (neither: the default)
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             continue
         kind, choices = _flag_type(annotation)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixgen.engine.request import Request
+from radixgen.engine.stats import StepRecord
 from radixgen.models.attention import AttentionBatch
 
 
@@ -59,6 +60,12 @@ class StepPlan:
     """[B, vocab / 32] int32 grammar bitmask of the sampled rows, filled on the host before the
     forward (steps without forced tokens or drafts to verify); the model runner uploads it with
     the step's inputs and applies it to the logits on the device."""
+    record: StepRecord | None = None
+    """The step's record in the scheduler's log, kept with the plan: under overlapped
+    scheduling the next step is planned before this one's results are applied."""
+    lookahead: bool = False
+    """Planned from the step before it, before that step's results were applied (overlapped
+    scheduling): a row whose request did not continue as assumed is dropped when it lands."""
 
     @property
     def batch_size(self) -> int:
@@ -75,6 +82,17 @@ class StepPlan:
     @property
     def num_prefill(self) -> int:
         return len(self.requests) - self.num_decode
+
+    def decode_rows(self, keep: np.ndarray) -> StepPlan:
+        """A decode plan narrowed to the rows ``keep`` [B] bool (a new batch: no version)."""
+        assert self.kind is StepKind.DECODE and self.draft_lens is None and self.verify_counts is None
+        return StepPlan(
+            kind=self.kind, requests=[r for r, k in zip(self.requests, keep.tolist(), strict=True) if k],
+            rows=self.rows[keep], prefix_lens=self.prefix_lens[keep], extend_lens=self.extend_lens[keep],
+            input_ids=self.input_ids[keep], positions=self.positions[keep], out_cache_loc=self.out_cache_loc[keep],
+            sample_mask=None if self.sample_mask is None else self.sample_mask[keep],
+            bitmask=None if self.bitmask is None else self.bitmask[keep], record=self.record,
+        )
 
     def attention_batch(self) -> AttentionBatch:
         """The host plan the attention backend prepares the step's metadata from."""

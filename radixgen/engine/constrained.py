@@ -138,10 +138,12 @@ class ConstrainedDecoding:
         mask = self.host_bitmask(plan)
         return None if mask is None else torch.from_numpy(mask).to(self.device)
 
-    def host_bitmask(self, plan: StepPlan) -> np.ndarray | None:
-        """``bitmask`` on the host [B, vocab / 32] int32 (a buffer reused by the next step)."""
+    def host_bitmask(self, plan: StepPlan, live: np.ndarray | None = None) -> np.ndarray | None:
+        """``bitmask`` on the host [B, vocab / 32] int32 (a buffer reused by the next step);
+        ``live`` [B] bool: only those rows (the others allow everything)."""
         rows = [i for i, r in enumerate(plan.requests)
-                if r.matcher is not None and (plan.sample_mask is None or plan.sample_mask[i])]
+                if r.matcher is not None and (plan.sample_mask is None or plan.sample_mask[i])
+                and (live is None or live[i])]
         if not rows:
             return None
         mask = self._bitmask[: plan.batch_size]

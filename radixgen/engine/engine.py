@@ -29,7 +29,7 @@ from radixgen.engine.model_runner import ModelRunner
 from radixgen.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from radixgen.engine.sampler import Sampler, SamplingBatchCache
 from radixgen.engine.scheduler import Scheduler
-from radixgen.engine.step import StepPipeline
+from radixgen.engine.step import OverlapPipeline, StepPipeline
 from radixgen.errors import (
     EngineDeadError,
     InvalidConstraintError,
@@ -145,7 +145,7 @@ class Engine:
         self._stopped = threading.Event()
         self._dead_reason: str | None = None
         self._active_ids: set[str] = set()
-        self.pipeline = StepPipeline(self.scheduler, self.runner, self.sampler, self.constraints,
+        self.pipeline = (OverlapPipeline if self.config.use_overlap else StepPipeline)(self.scheduler, self.runner, self.sampler, self.constraints,
                                      SamplingBatchCache(self.model_config.vocab_size, self.runner.device,
                                                         self.scheduler.kv.row_params,
                                                         tuple(self.model_config.eos_token_ids)))
@@ -460,6 +460,7 @@ class Engine:
                     if compiling:
                         self._aborted_while_compiling.add(payload)
             elif kind == "call":
+                self.pipeline.settle()  # a call sees a step boundary, never a step in flight
                 payload()
             try:
                 item = self._inbox.get_nowait()
@@ -500,7 +501,7 @@ class Engine:
             return
         try:
             while not self._stopped.is_set():
-                self._drain_inbox(block=not self.scheduler.has_work())
+                self._drain_inbox(block=not (self.scheduler.has_work() or self.pipeline.in_flight))
                 self.pipeline.run()
                 if self._after_step is not None:
                     self._after_step()
@@ -508,6 +509,7 @@ class Engine:
             logger.exception("engine loop died")
             self._dead_reason = f"{type(e).__name__}: {e}"
         finally:
+            self.pipeline.close()
             for request_id in list(self.scheduler.requests):
                 self.scheduler.abort(request_id, FinishReason.ERROR, error=self._dead_reason or "engine shut down")
             if self._after_step is not None:

@@ -94,6 +94,7 @@ class KVPool:
     ) -> None:
         self.num_slots = num_slots
         self.max_context_len = max_context_len
+        self.max_rows = max_rows
         shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
         self.k = _unwritten_pool(shape, dtype, device)
         self.v = _unwritten_pool(shape, dtype, device)

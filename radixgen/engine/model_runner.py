@@ -11,6 +11,7 @@ import torch
 from radixgen.config import AttentionBackend, EngineConfig
 from radixgen.constraints.mask import apply_bitmask
 from radixgen.engine.batch import StepPlan
+from radixgen.engine.graph_runner import DecodeRunner, create_decode_runner, pad_decode
 from radixgen.engine.kv_pool import KVPool
 from radixgen.host_memory import (
     keep_freed_memory_for_reuse,
@@ -65,11 +66,13 @@ class ModelRunner:
     def __init__(
         self, model: CausalLM, pool: KVPool, device: torch.device,
         attention_backend: AttentionBackend = "auto", small_linear_max_tokens: int | None = None,
-        tune_kernels: bool = False,
+        tune_kernels: bool = False, cuda_graphs: bool = False, cuda_graph_max_batch: int = 0,
     ) -> None:
         """``small_linear_max_tokens`` None: as measured (``tune_kernels``), else
         ``DEFAULT_SMALL_LINEAR_MAX_TOKENS``. ``tune_kernels``: on CPU, pick each op's
-        implementation by timing it on this machine (``models/tuning.py``; cached)."""
+        implementation by timing it on this machine (``models/tuning.py``; cached).
+        ``cuda_graphs``: on CUDA, decode steps of up to ``cuda_graph_max_batch`` rows replay
+        graphs captured here (``graph_runner.py``)."""
         self.model = model
         self.pool = pool
         self.device = device
@@ -94,6 +97,8 @@ class ModelRunner:
             moved = move_into_huge_pages([*model.parameters(), *model.buffers()])
             release_freed_memory()  # the heap pages the weights left
             logger.info("weights: %.1f MiB in one huge-page arena", moved / 2**20)
+        self.decode_runner: DecodeRunner = create_decode_runner(
+            model, self.attention, pool, cuda_graphs=cuda_graphs, max_batch=min(cuda_graph_max_batch, pool.max_rows))
 
     def kernels_in_use(self) -> dict[str, str]:
         """Which implementation runs each tuned op (the measured choices; empty when not tuned)."""
@@ -122,6 +127,7 @@ class ModelRunner:
         runner = cls(
             loaded.model, pool, torch.device(config.device), config.attention_backend, config.small_linear_max_tokens,
             tune_kernels=config.tune_kernels and os.environ.get("RADIXGEN_TUNE_KERNELS", "1") != "0",
+            cuda_graphs=config.cuda_graphs, cuda_graph_max_batch=config.cuda_graph_max_batch,
         )
         return runner, loaded
 
@@ -134,6 +140,18 @@ class ModelRunner:
     def forward_with(self, plan: StepPlan, extra: list[np.ndarray]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``forward``, with ``extra`` host arrays (the sampler's) uploaded in the step's one copy:
         (logits, those arrays on the device)."""
+        masks = [] if plan.bitmask is None else [plan.bitmask]
+        padded = self.decode_runner.padded_size(plan)
+        if padded is not None:  # a decode step the decode runner takes (CUDA graphs), padded to its bucket
+            inputs = pad_decode(plan, padded)
+            uploaded = upload([*masks, *extra, inputs.input_ids, inputs.positions, inputs.logits_index,
+                               *self.attention.host_arrays(inputs.batch)], self.device)
+            bitmask = uploaded.pop(0) if masks else None
+            extra_uploaded, runner_arrays = uploaded[: len(extra)], uploaded[len(extra) :]
+            logits = self.decode_runner.run(inputs, runner_arrays)[: plan.batch_size]
+            if bitmask is not None:  # outside the graph (graph_runner.py says why)
+                apply_bitmask(logits, bitmask)
+            return logits, extra_uploaded
         last = np.cumsum(plan.extend_lens) - 1
         if plan.verify_counts is not None and plan.verify_counts.any():
             verify_rows = [np.arange(end - m - 1, end - 1)
@@ -143,7 +161,6 @@ class ModelRunner:
             last = np.concatenate([last, plan.prompt_scoring.token_index])
         batch = plan.attention_batch()
         # the step's inputs, the attention backend's index arrays and the grammar bitmask in one copy
-        masks = [] if plan.bitmask is None else [plan.bitmask]
         input_ids, positions, logits_index, *rest = upload(
             [plan.input_ids, plan.positions, last, *masks, *extra, *self.attention.host_arrays(batch)], self.device)
         bitmask = rest.pop(0) if masks else None

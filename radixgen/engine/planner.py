@@ -176,6 +176,11 @@ class BatchPlanner:
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
+    def forget_decode_batch(self) -> None:
+        """The next decode step gathers its rows and inputs from the requests afresh."""
+        self._decode_arrays = None
+        self.next_decode_inputs = None
+
     def discard(self, req: Request) -> None:
         """Take ``req`` out of whichever set holds it (it is ending)."""
         if req.status is RequestStatus.WAITING:
@@ -381,6 +386,36 @@ class BatchPlanner:
             kind=StepKind.DECODE, requests=reqs, rows=rows, prefix_lens=positions,
             extend_lens=np.ones(batch, dtype=np.int64), input_ids=input_ids, positions=positions,
             out_cache_loc=slots, batch_version=self.running_version,
+        )
+
+    def lookahead_decode(self, plan: StepPlan, tokens: np.ndarray) -> StepPlan | None:
+        """The decode step after ``plan``, planned before ``plan``'s results are applied
+        (overlapped scheduling): the same rows one position on, fed the tokens ``plan`` sampled.
+        None wherever the next step might be anything else (requests that could be admitted, a
+        chunked prompt, drafts to verify, a batch changed since, no room without retracting),
+        and the caller plans after applying the results instead."""
+        if (plan.kind is not StepKind.DECODE or plan.draft_lens is not None
+                or plan.batch_version is None or plan.batch_version != self.running_version
+                or self.chunked is not None or self.drafter.active
+                or (self.waiting and len(self.running) < self.config.max_running_requests)):
+            return None
+        positions = plan.positions + 1
+        if int(positions.max()) >= self.kv.pool.max_context_len or self.kv.short_of(len(positions)):
+            return None
+        slots = self._alloc_slots(len(positions))
+        if slots is None:
+            return None
+        self._decode_turn = False  # what schedule() does on its way to a decode step
+        self.kv.write(plan.rows, positions, slots)
+        cached = self._decode_arrays
+        if cached is not None and cached[0] == plan.batch_version:
+            self._decode_arrays = (cached[0], cached[1], cached[2], positions)
+        self.reserve.decode_step()
+        self.log.current.new_tokens = len(positions)
+        return StepPlan(
+            kind=StepKind.DECODE, requests=plan.requests, rows=plan.rows, prefix_lens=positions,
+            extend_lens=plan.extend_lens, input_ids=tokens.astype(np.int64, copy=True), positions=positions,
+            out_cache_loc=slots, batch_version=plan.batch_version, lookahead=True,
         )
 
     def _schedule_speculative(self) -> StepPlan | None:

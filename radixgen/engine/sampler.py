@@ -235,6 +235,10 @@ class SamplingBatchCache:
 
         return host, build_and_keep
 
+    def forget(self) -> None:
+        """Build the next step's batch from the row table, whatever its version."""
+        self._cached = None
+
     def _counters(self, plan: StepPlan) -> np.ndarray:
         """Tokens each request has generated: a row whose newest token is this step's first
         input (a decoding or drafting row) stands at output index prefix + 1 - prompt_len; the
@@ -252,6 +256,13 @@ class SampleResult:
     logprobs: np.ndarray | None  # [B] float32: log-prob of the chosen token
     top_ids: np.ndarray | None  # [B, n]
     top_logprobs: np.ndarray | None  # [B, n]
+
+    def rows(self, keep: np.ndarray) -> SampleResult:
+        """The results of the rows ``keep`` [B] bool."""
+        def pick(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[keep]
+
+        return SampleResult(self.token_ids[keep], pick(self.logprobs), pick(self.top_ids), pick(self.top_logprobs))
 
 
 class PenaltyState:

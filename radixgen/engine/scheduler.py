@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
+
 from radixgen.config import EngineConfig
 from radixgen.engine.batch import StepPlan
 from radixgen.engine.kv_cache import KVCacheManager
@@ -86,12 +88,50 @@ class Scheduler:
         self._log.begin()
         plan = self.planner.schedule()
         self._log.current.schedule_s = time.perf_counter() - start
+        if plan is not None:
+            plan.record = self._log.current
         return plan
+
+    def lookahead(self, plan: StepPlan, result: SampleResult) -> StepPlan | None:
+        """The decode step after ``plan``, planned before its results are applied (overlapped
+        scheduling; ``planner.lookahead_decode``); None when the next step must wait for them."""
+        start = time.perf_counter()
+        applying = self._log.current
+        self._log.begin()
+        nxt = self.planner.lookahead_decode(plan, result.token_ids)
+        record, self._log.current = self._log.current, applying
+        if nxt is not None:
+            record.schedule_s = time.perf_counter() - start
+            nxt.record = record
+        return nxt
+
+    def landed_rows(self, plan: StepPlan) -> np.ndarray:
+        """[B] bool: a lookahead plan's rows whose request continued as the plan assumed (it is
+        still running in the same row, with exactly the plan's input as its newest token and
+        everything before it computed): their results are the ones a step planned now would give."""
+        keep = np.zeros(plan.batch_size, dtype=bool)
+        running = self.planner.running
+        rows, positions, inputs = plan.rows.tolist(), plan.positions.tolist(), plan.input_ids.tolist()
+        for i, req in enumerate(plan.requests):
+            keep[i] = (req in running and req.pool_row == rows[i] and req.num_computed == positions[i]
+                       and req.seq_len - 1 == positions[i] and req.output_ids[-1] == inputs[i])
+        return keep
+
+    def drop_rows(self, plan: StepPlan, keep: np.ndarray) -> None:
+        """Give back the KV slots of a plan's rows that will not be applied (``keep`` False): no
+        request holds them, and the step that wrote them has ended."""
+        dropped = plan.out_cache_loc[~keep]
+        if len(dropped):
+            self.kv.pool.slots.free(dropped.copy())
+        if not keep.all():  # a batch changed under the plan: its per-batch arrays are stale
+            self.planner.forget_decode_batch()
 
     def process_results(self, plan: StepPlan, result: SampleResult, forward_s: float = 0.0,
                         verdicts: dict[int, Verdict] | None = None) -> list[RequestOutput]:
         """Apply a step's sampled tokens (and a speculative step's verdicts); return the outputs
         handed to callbacks (finals always)."""
+        if plan.record is not None:
+            self._log.current = plan.record
         return self.results.process_results(plan, result, forward_s, verdicts)
 
     def fail_step(self, plan: StepPlan, error: str) -> None:

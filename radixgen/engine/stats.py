@@ -27,6 +27,9 @@ class StepRecord:
     forward_s: float = 0.0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    dropped_rows: int = 0
+    """Overlapped scheduling: rows computed for requests that had ended or changed course by the
+    time the step landed (counted in new_tokens, not applied)."""
 
 
 class StepLog:

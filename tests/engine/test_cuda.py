@@ -102,3 +102,41 @@ def test_an_abort_on_the_gpu_frees_everything(make_engine: Callable[..., Engine]
     while not finals and time.monotonic() < deadline:
         time.sleep(0.01)
     assert finals[running.request_id].finish_reason is FinishReason.ABORT
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_outputs_equal_with_cuda_graphs_on_and_off(make_engine: Callable[..., Engine], overlap: bool) -> None:
+    eager = make_engine(device="cuda", dtype="float32", cuda_graphs=False, overlap=overlap)
+    graphed = make_engine(device="cuda", dtype="float32", cuda_graph_max_batch=16, overlap=overlap)
+    assert eager.runner.decode_runner.name == "eager" and graphed.runner.decode_runner.name == "cuda_graphs"
+    for batch in (1, 3, 8, 9):  # 9 pads to 16: past a bucket boundary
+        prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(batch)]
+        lengths = [_greedy(12 + 3 * i) for i in range(batch)]  # rows leave the batch one by one
+        want = [o.token_ids for o in eager.generate(prompts, lengths)]
+        assert [o.token_ids for o in graphed.generate(prompts, lengths)] == want, batch
+
+
+def test_a_constrained_batch_inside_cuda_graphs(make_engine: Callable[..., Engine]) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    params = [SamplingParams(max_new_tokens=64, temperature=0, json_schema=schema), _greedy(20, regex=r"[a-z]{3,9}-\d{2}"),
+              _greedy(24)]
+    eager = make_engine(device="cuda", dtype="float32", cuda_graphs=False)
+    graphed = make_engine(device="cuda", dtype="float32")
+    want = eager.generate(PROMPTS[:3], params)
+    got = graphed.generate(PROMPTS[:3], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert set(json.loads(got[0].text)) == {"name", "age"}
+
+
+def test_graphs_captured_again_and_over_another_pool_replay_the_same_outputs(
+        make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine(device="cuda", dtype="float32", cuda_graph_max_batch=8)
+    runner = engine.runner.decode_runner
+    assert runner.name == "cuda_graphs" and runner.capture_s > 0 and runner.graph_bytes >= 0  # type: ignore[attr-defined]
+    want = [o.token_ids for o in engine.generate(PROMPTS, _greedy(16))]
+    engine.run_on_loop(runner.capture)  # type: ignore[attr-defined]
+    assert [o.token_ids for o in engine.generate(PROMPTS, _greedy(16))] == want
+    other = make_engine(device="cuda", dtype="float32", cuda_graph_max_batch=8, kv_cache_tokens=1024)
+    assert other.runner.pool.num_slots != engine.runner.pool.num_slots
+    assert [o.token_ids for o in other.generate(PROMPTS, _greedy(16))] == want

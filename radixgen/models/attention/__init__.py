@@ -23,6 +23,7 @@ from radixgen.models.attention.base import (
     AttentionBackend,
     AttentionBatch,
     AttentionMetadata,
+    DecodeGraphState,
     LayerAttention,
 )
 
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "cpu", "torch", "triton")
 
-__all__ = ["BACKENDS", "AttentionBackend", "AttentionBatch", "AttentionMetadata", "LayerAttention",
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionBatch", "AttentionMetadata", "DecodeGraphState", "LayerAttention",
            "create_backend", "resolve_backend"]
 
 

@@ -94,6 +94,25 @@ class AttentionMetadata:
     """[T] int64 on the model's device."""
 
 
+class DecodeGraphState(ABC):
+    """A backend's decode metadata in static buffers, for a decode forward captured in a CUDA
+    graph: the graph of a batch size reads ``metadata(size)``; each replay first ``load``s the
+    step's arrays into the same buffers."""
+
+    @abstractmethod
+    def metadata(self, size: int) -> AttentionMetadata:
+        """Metadata over the first ``size`` entries of the static buffers (the same tensors on
+        every call)."""
+
+    @abstractmethod
+    def load(self, size: int, uploaded: list[torch.Tensor]) -> None:
+        """Copy a decode step's ``host_arrays`` (uploaded; ``size`` rows) into the buffers."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Fill the buffers with pad entries (valid to run: the pad slot, one key)."""
+
+
 class AttentionBackend(ABC):
     """Attention over the token-level KV pool.
 
@@ -108,6 +127,12 @@ class AttentionBackend(ABC):
 
     name: str
     device: torch.device
+    supports_decode_graphs = False
+    """Decode steps can be captured in CUDA graphs (``decode_graph_state``)."""
+
+    def decode_graph_state(self, max_batch: int, max_seq_len: int) -> DecodeGraphState:
+        """Static decode metadata for up to ``max_batch`` rows of up to ``max_seq_len`` keys."""
+        raise NotImplementedError(f"the {self.name} attention backend cannot run inside CUDA graphs")
 
     def host_arrays(self, batch: AttentionBatch) -> list[np.ndarray]:
         """The arrays ``prepare_uploaded`` needs on the device, in its order (none by default)."""

@@ -12,6 +12,7 @@ from radixgen.models.attention.base import (
     AttentionBackend,
     AttentionBatch,
     AttentionMetadata,
+    DecodeGraphState,
     LayerAttention,
     write_kv,
 )
@@ -44,8 +45,40 @@ def decode_splits(max_seq_len: int, num_entries: int) -> int:
     return max(1, min(splits, MAX_DECODE_SPLITS * 8 // max(1, num_entries)))
 
 
+class _DecodeGraphState(DecodeGraphState):
+    """Decode metadata in static buffers. A graph cannot size its grid by the step's longest
+    sequence, so every bucket splits ``max_seq_len`` (the context) evenly: a row's programs past
+    its own length return at once."""
+
+    def __init__(self, device: torch.device, max_batch: int, max_seq_len: int) -> None:
+        self.out_cache_loc = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.rows = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int64, device=device)
+        self.max_seq_len = max_seq_len
+        self._by_size: dict[int, TritonMetadata] = {}
+
+    def metadata(self, size: int) -> TritonMetadata:
+        if size not in self._by_size:
+            self._by_size[size] = TritonMetadata(
+                self.out_cache_loc[:size], self.rows[:size], True, seq_lens=self.seq_lens[:size],
+                max_seq_len=self.max_seq_len, num_splits=decode_splits(self.max_seq_len, size))
+        return self._by_size[size]
+
+    def load(self, size: int, uploaded: list[torch.Tensor]) -> None:
+        out_cache_loc, rows, seq_lens = uploaded
+        self.out_cache_loc[:size].copy_(out_cache_loc, non_blocking=True)
+        self.rows[:size].copy_(rows, non_blocking=True)
+        self.seq_lens[:size].copy_(seq_lens, non_blocking=True)
+
+    def reset(self) -> None:
+        self.out_cache_loc.zero_()  # the pool's pad slot
+        self.rows.zero_()
+        self.seq_lens.fill_(1)
+
+
 class TritonAttention(AttentionBackend):
     name = "triton"
+    supports_decode_graphs = True
 
     def __init__(self, req_to_token: torch.Tensor) -> None:
         from radixgen.models.attention import triton_kernels
@@ -53,6 +86,9 @@ class TritonAttention(AttentionBackend):
         self.kernels = triton_kernels
         self.req_to_token = req_to_token
         self.device = req_to_token.device
+
+    def decode_graph_state(self, max_batch: int, max_seq_len: int) -> DecodeGraphState:
+        return _DecodeGraphState(self.device, max_batch, max_seq_len)
 
     def _decode_entries(self, batch: AttentionBatch) -> tuple[np.ndarray, np.ndarray]:
         """(req_to_token row, keys) of each decode query: one per row, or one per drafted token
