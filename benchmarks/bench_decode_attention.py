@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, prompts_of_lengths, write_json  # noqa: E402
 from radixgen import Engine, EngineConfig, SamplingParams  # noqa: E402
-from radixgen.engine.batch import StepKind, StepPlan  # noqa: E402
+from radixgen.engine.plan import StepKind, StepPlan  # noqa: E402
 from radixgen.kernels import decode_attention_op  # noqa: E402
 from radixgen.models.attention import LayerAttention  # noqa: E402
 from radixgen.models.attention.base import write_kv  # noqa: E402

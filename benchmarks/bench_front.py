@@ -36,7 +36,7 @@ def serve_with_stub(tree: Path, port: int, step_s: float) -> None:
 
     from radixgen.api.server import create_app
     from radixgen.config import ServerConfig
-    from radixgen.engine.request import FinishReason, RequestOutput
+    from radixgen.engine.output import FinishReason, RequestOutput
     from radixgen.models.loader import resolve_model_dir
 
     class StubEngine:

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_json  # noqa: E402
-from radixgen.engine.batch import StepKind, StepPlan  # noqa: E402
+from radixgen.engine.plan import StepKind, StepPlan  # noqa: E402
 from radixgen.kernels import cpu_kernels  # noqa: E402
 from radixgen.models.attention import LayerAttention  # noqa: E402
 from radixgen.models.attention.cpu import attend_pool, build_attention_plan  # noqa: E402

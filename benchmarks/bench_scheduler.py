@@ -22,9 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_json  # noqa: E402
 from radixgen import EngineConfig, SamplingParams  # noqa: E402
-from radixgen.engine.deltas import DeltaReader, StepDeltas  # noqa: E402
 from radixgen.engine.detokenizer import ConsumerText  # noqa: E402
 from radixgen.engine.kv_pool import KVPool  # noqa: E402
+from radixgen.engine.output import DeltaReader, StepDeltas  # noqa: E402
 from radixgen.engine.request import Request, RequestOutput  # noqa: E402
 from radixgen.engine.sampler import SampleResult, SamplingBatchCache  # noqa: E402
 from radixgen.engine.scheduler import Scheduler  # noqa: E402
@@ -40,9 +40,9 @@ def scheduler_step_us(running: int, steps: int, tokenizer: Any = None, served: b
     """With a tokenizer the step includes what a served step does per token: detokenization
     and a streamed output handed to each request's callback. ``served``: the outputs go as the
     engine process sends them to the HTTP front (deltas as columns, one pickled message per
-    step, engine/process.py), the message's serialization counted; the text of these plain
+    step, ipc/process.py), the message's serialization counted; the text of these plain
     requests is made by the front, whose work per step (unpickle, build the outputs, make the
-    text: api/engine_client.py) is appended to ``front_us``."""
+    text: ipc/client.py) is appended to ``front_us``."""
     config = EngineConfig(max_running_requests=max(running, 1), kv_cache_tokens=running * (PROMPT_LEN + steps + 64) + 64,
                           max_context_len=4096, max_prefill_tokens=running * PROMPT_LEN + 1)
     pool = KVPool(num_slots=config.kv_cache_tokens or 0, num_layers=1, num_kv_heads=1, head_dim=1,
@@ -100,7 +100,7 @@ def scheduler_step_us(running: int, steps: int, tokenizer: Any = None, served: b
 
 def real_forward_ms(running: int, steps: int, engine: Any) -> float:
     """Median forward time of a decode step at this batch size on the real model."""
-    from radixgen.engine.batch import StepKind
+    from radixgen.engine.plan import StepKind
 
     sched = engine.scheduler
     params = SamplingParams(max_new_tokens=steps + 4, temperature=0, ignore_eos=True)
@@ -147,7 +147,7 @@ def main() -> None:
         sched_us = scheduler_step_us(running, args.steps, tokenizer)
         front: list[float] = []
         served_steps: list[float] = []
-        # as the engine process does after start-up (engine/process.py): what lives on (torch,
+        # as the engine process does after start-up (ipc/process.py): what lives on (torch,
         # the tokenizer, the earlier rows' leftovers) out of the collector's view
         gc.collect()
         gc.freeze()

@@ -41,7 +41,7 @@ def _free_port() -> int:
 def serve_seconds(tree: Path, model: str | None) -> tuple[float, float]:
     """(seconds until /health is 200, seconds from SIGTERM to exit)."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "radixgen.api.cli", "serve", "--port", str(port), "--log-level", "warning",
+    cmd = [sys.executable, "-m", "radixgen.cli", "serve", "--port", str(port), "--log-level", "warning",
            *(["--model", model] if model else [])]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=tree, env=_env(tree), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -75,7 +75,7 @@ def engine_seconds(tree: Path, model: str | None) -> float:
 
 def cli_seconds(tree: Path) -> float:
     start = time.monotonic()
-    subprocess.run([sys.executable, "-m", "radixgen.api.cli", "--help"], cwd=tree, env=_env(tree), check=True,
+    subprocess.run([sys.executable, "-m", "radixgen.cli", "--help"], cwd=tree, env=_env(tree), check=True,
                    capture_output=True)
     return time.monotonic() - start
 

@@ -132,7 +132,7 @@ def main() -> None:
     args = parser.parse_args()
     import openai
 
-    from radixgen.api.launch import ServerProcess
+    from radixgen.ipc.launch import ServerProcess
 
     server = None if args.url else ServerProcess("--kv-cache-tokens", "16384", "--max-context-len", "2048",
                                                  timeout=300)

@@ -23,9 +23,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radixgen.api.launch import ChildServer, free_port, launch_server  # noqa: E402
 from radixgen.bench.cli import COLUMNS, print_table  # noqa: E402
 from radixgen.bench.serving import ServingReport, plot, run_preset  # noqa: E402
+from radixgen.ipc.launch import ChildServer, free_port, launch_server  # noqa: E402
 from radixgen.models.loader import default_gguf_path, resolve_model_dir  # noqa: E402
 from radixgen.paths import cache_dir  # noqa: E402
 

@@ -251,7 +251,7 @@ def main() -> int:
 
     server = None
     if args.url is None:
-        from radixgen.api.launch import launch_server
+        from radixgen.ipc.launch import launch_server
 
         model = _model_path(args.model)
         server = launch_server("--kv-cache-tokens", str(args.kv_cache_tokens), "--max-context-len", "1024",

@@ -90,7 +90,7 @@ runtime.close()
 # %%
 from openai import OpenAI
 
-from radixgen.api.launch import launch_server
+from radixgen.ipc.launch import launch_server
 
 tools = {t.name: t for t in (get_weather, get_local_time)}
 question = [{"role": "user", "content": "What's the weather like in Paris right now?"}]

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from radixgen.engine.output import RequestOutput
+
+if TYPE_CHECKING:
+    from radixgen.api.jobs import ChoiceResult
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -108,3 +114,24 @@ class ServerMetrics:
             label = str(stats.get("replica"))
             for name, gauge in gauges.items():
                 gauge.labels(replica=label).set(stats.get(name, 0))
+
+    def observe_latency(self, last: list[float | None], i: int, out: RequestOutput, started: float) -> None:
+        """Time to first token or between tokens for choice ``i`` (``last``: each choice's last token time)."""
+        if not out.new_token_ids:
+            return
+        now = time.perf_counter()
+        previous = last[i]
+        if previous is None:
+            self.ttft.observe(now - started)
+        else:
+            self.itl.observe(now - previous)
+        last[i] = now
+
+    def record(self, endpoint: str, status: int, results: list[ChoiceResult], started: float) -> None:
+        """A finished HTTP request: its status, and for a success its tokens and latency."""
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        if results and status == 200:
+            self.prompt_tokens.inc(results[0].prompt_tokens)
+            self.cached_tokens.inc(results[0].cached_tokens)
+            self.generation_tokens.inc(sum(len(r.token_ids) for r in results))
+            self.e2e.observe(time.perf_counter() - started)

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from radixgen.api import tool_decision
-from radixgen.api.chat import ToolPlan, chat_prompt_ids, tool_mode
-from radixgen.api.engine_handle import EngineHandle
+from radixgen.api.chat import ToolPlan
+from radixgen.api.chat_plan import plan_chat
+from radixgen.api.jobs import ChoiceResult, apply, merge_streams, run_jobs, usage
 from radixgen.api.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -25,71 +21,16 @@ from radixgen.api.protocol import (
     ChatCompletionResponse,
     DeltaMessage,
     ResponseMessage,
-    Tool,
     Usage,
 )
-from radixgen.api.serving import (
-    ChoiceResult,
-    apply,
-    build_params,
-    check_model,
-    constraint_fields,
-    merge_streams,
-    observe_latency,
-    recorded_stream,
-    run_jobs,
-    sse,
-    token_logprobs,
-    usage,
-)
-from radixgen.engine.request import SamplingParams
-from radixgen.errors import InvalidParamsError
+from radixgen.api.sse import sse, stream_response, token_logprobs
+from radixgen.engine.params import SamplingParams
+from radixgen.ipc.handle import EngineHandle
 
 router = APIRouter()
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------
-
-
-@dataclass
-class ChatPlan:
-    """A chat request turned into engine jobs (shared by /v1/chat/completions and /v1/responses)."""
-
-    tools: ToolPlan
-    jobs: list[tuple[str, list[int], SamplingParams]]
-    base_id: str
-    model: str
-
-
-async def plan_chat(req: ChatCompletionRequest, request: Request, *, id_prefix: str = "chatcmpl") -> ChatPlan:
-    check_model(req, request)
-    state = request.app.state
-    client: EngineHandle = state.client
-    legacy = req.functions is not None
-    if legacy:
-        req = _functions_as_tools(req)
-    mode, named = tool_mode(req)
-    tools = ToolPlan(mode, list(req.tools or []), named, single=req.parallel_tool_calls is False, legacy=legacy,
-                     fmt=state.chat_format)
-    # templating and tokenising a long prompt must not stall the streams this loop serves
-    prompt_ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, req, mode, state.chat_format)
-    config = state.config
-    if tool_decision.applies(config.tool_call_decision, req, tools):
-        best = await state.call_scorer.best_call(req, tools, prompt_ids, config.tool_call_threshold,
-                                                 req.max_completion_tokens or req.max_tokens)
-        if best is not None:
-            tools.mode, tools.named, tools.scored = "named", best, True
-    constraint = tools.constraint(constraint_fields(req))
-    max_tokens = req.max_completion_tokens or req.max_tokens
-    top = req.top_logprobs or 0
-    if top and not req.logprobs:
-        raise InvalidParamsError("top_logprobs needs logprobs=true")
-    params = [build_params(req, len(prompt_ids), client.info, max_tokens=max_tokens,
-                           logprobs=req.logprobs, top_logprobs=top, seed_offset=i, constraint=constraint)
-              for i in range(req.n)]
-    base_id = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
-    jobs = [(f"{base_id}-{i}", prompt_ids, p) for i, p in enumerate(params)]
-    return ChatPlan(tools, jobs, base_id, state.model_name)
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -101,8 +42,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     legacy, top = tools.legacy, req.top_logprobs or 0
     started = time.perf_counter()
     if req.stream:
-        return StreamingResponse(_chat_stream(request, req, tools, jobs, base_id, model, started),
-                                 media_type="text/event-stream")
+        return _chat_stream(request, req, tools, jobs, base_id, model, started)
     results = await run_jobs(request, client, jobs, "chat", started)
     if results is None:
         return JSONResponse({}, status_code=499)  # nobody is listening any more
@@ -119,19 +59,6 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     return ChatCompletionResponse(id=base_id, model=model, choices=choices, usage=usage(results))
 
 
-def _functions_as_tools(req: ChatCompletionRequest) -> ChatCompletionRequest:
-    """The legacy functions / function_call fields as tools / tool_choice."""
-    if req.tools is not None or req.tool_choice is not None:
-        raise InvalidParamsError("give tools and tool_choice, or the legacy functions and function_call, not both")
-    choice: Any = req.function_call
-    if isinstance(choice, dict):
-        if not isinstance(choice.get("name"), str):
-            raise InvalidParamsError("function_call must be 'none', 'auto' or {'name': ...}")
-        choice = {"type": "function", "function": {"name": choice["name"]}}
-    return req.model_copy(update={"tools": [Tool(function=f) for f in req.functions or []], "tool_choice": choice,
-                                  "functions": None, "function_call": None})
-
-
 def _as_function_call(delta: DeltaMessage) -> DeltaMessage:
     """A streamed tool-call delta in the legacy function_call form."""
     if not delta.tool_calls:
@@ -141,9 +68,9 @@ def _as_function_call(delta: DeltaMessage) -> DeltaMessage:
                         function_call={k: function[k] for k in ("name", "arguments") if k in function})
 
 
-async def _chat_stream(request: Request, req: ChatCompletionRequest, tools: ToolPlan,
-                       jobs: list[tuple[str, list[int], SamplingParams]], base_id: str, model: str,
-                       started: float) -> AsyncIterator[str]:
+def _chat_stream(request: Request, req: ChatCompletionRequest, tools: ToolPlan,
+                 jobs: list[tuple[str, list[int], SamplingParams]], base_id: str, model: str,
+                 started: float) -> StreamingResponse:
     state = request.app.state
     created = int(time.time())
     results = [ChoiceResult() for _ in jobs]
@@ -160,17 +87,17 @@ async def _chat_stream(request: Request, req: ChatCompletionRequest, tools: Tool
                   + ',"model":' + json.dumps(model) + ',"choices":[{"index":')
 
     plain_text = readers[0].passes_text_through and not tools.legacy
-    for i in range(len(jobs)):
-        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
 
     async def body() -> AsyncGenerator[str, None]:
+        for i in range(len(jobs)):
+            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
         async for item in merge_streams(request, jobs):
             if item is None:
                 yield ": keep-alive\n\n"
                 continue
             i, out = item
             apply(results[i], out, streamed=True)
-            observe_latency(state.metrics, last_token_at, i, out, started)
+            request.app.state.metrics.observe_latency(last_token_at, i, out, started)
             reader = readers[i]
             if plain_text and not out.finished and not req.logprobs:  # the path of almost every token
                 if out.new_text:
@@ -211,8 +138,6 @@ async def _chat_stream(request: Request, req: ChatCompletionRequest, tools: Tool
             yield chunk([], usage=usage(results))
         yield sse("[DONE]")
 
-    async with contextlib.aclosing(recorded_stream(request, "chat", results, started, body())) as frames:
-        async for framed in frames:
-            yield framed
+    return stream_response(request, "chat", results, started, body())
 
 

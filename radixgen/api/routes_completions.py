@@ -4,17 +4,17 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from radixgen.api.engine_handle import EngineHandle
+from radixgen.api.jobs import ChoiceResult, apply, merge_streams, run_jobs
+from radixgen.api.params import build_params, check_model, constraint_fields
 from radixgen.api.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -24,20 +24,11 @@ from radixgen.api.protocol import (
     TokenizeRequest,
     Usage,
 )
-from radixgen.api.serving import (
-    ChoiceResult,
-    apply,
-    build_params,
-    check_model,
-    constraint_fields,
-    merge_streams,
-    observe_latency,
-    recorded_stream,
-    run_jobs,
-    sse,
-)
-from radixgen.engine.request import RequestOutput, SamplingParams
+from radixgen.api.sse import sse, stream_response
+from radixgen.engine.output import RequestOutput
+from radixgen.engine.params import SamplingParams
 from radixgen.errors import InvalidParamsError, PromptTooLongError
+from radixgen.ipc.handle import EngineHandle
 from radixgen.templates import role_markers
 
 router = APIRouter()
@@ -93,8 +84,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     model = state.model_name
     started = time.perf_counter()
     if req.stream:
-        return StreamingResponse(_completion_stream(request, req, jobs, base_id, model, started),
-                                 media_type="text/event-stream")
+        return _completion_stream(request, req, jobs, base_id, model, started)
     results = await run_jobs(request, client, jobs, "completions", started)
     if results is None:
         return JSONResponse({}, status_code=499)  # nobody is listening any more
@@ -112,8 +102,8 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     return CompletionResponse(id=base_id, model=model, choices=choices, usage=usage)
 
 
-async def _completion_stream(request: Request, req: CompletionRequest, jobs: list[tuple[str, list[int], SamplingParams]],
-                             base_id: str, model: str, started: float) -> AsyncIterator[str]:
+def _completion_stream(request: Request, req: CompletionRequest, jobs: list[tuple[str, list[int], SamplingParams]],
+                       base_id: str, model: str, started: float) -> StreamingResponse:
     state = request.app.state
     created = int(time.time())
     results = [ChoiceResult() for _ in jobs]
@@ -129,7 +119,7 @@ async def _completion_stream(request: Request, req: CompletionRequest, jobs: lis
                 continue
             i, out = item
             apply(results[i], out, streamed=True)
-            observe_latency(state.metrics, last_token_at, i, out, started)
+            request.app.state.metrics.observe_latency(last_token_at, i, out, started)
             if not out.finished and req.logprobs is None:  # the path of almost every token
                 if out.new_text:
                     yield f'{text_chunk}{i},"text":{json.dumps(out.new_text)},"finish_reason":null,"logprobs":null}}]}}\n\n'
@@ -152,9 +142,7 @@ async def _completion_stream(request: Request, req: CompletionRequest, jobs: lis
                                   "total_tokens": prompt + completion}})
         yield sse("[DONE]")
 
-    async with contextlib.aclosing(recorded_stream(request, "completions", results, started, body())) as frames:
-        async for framed in frames:
-            yield framed
+    return stream_response(request, "completions", results, started, body())
 
 
 # ---- /generate (native) ---------------------------------------------------------------------
@@ -181,7 +169,7 @@ async def generate(req: GenerateRequest, request: Request) -> Any:
     rid = req.request_id or f"gen-{uuid.uuid4().hex[:24]}"
     started = time.perf_counter()
     if req.stream:
-        return StreamingResponse(_generate_stream(request, rid, ids, params, started), media_type="text/event-stream")
+        return _generate_stream(request, rid, ids, params, started)
     results = await run_jobs(request, client, [(rid, ids, params)], "generate", started)
     if results is None:
         return JSONResponse({}, status_code=499)  # nobody is listening any more
@@ -193,8 +181,8 @@ async def generate(req: GenerateRequest, request: Request) -> Any:
                      "shortened": result.shortened}}
 
 
-async def _generate_stream(request: Request, rid: str, ids: list[int], params: SamplingParams,
-                           started: float) -> AsyncIterator[str]:
+def _generate_stream(request: Request, rid: str, ids: list[int], params: SamplingParams,
+                     started: float) -> StreamingResponse:
     result = ChoiceResult()
     last_token_at: list[float | None] = [None]
 
@@ -205,14 +193,12 @@ async def _generate_stream(request: Request, rid: str, ids: list[int], params: S
                 continue
             _, out = item
             apply(result, out, streamed=True)
-            observe_latency(request.app.state.metrics, last_token_at, 0, out, started)
+            request.app.state.metrics.observe_latency(last_token_at, 0, out, started)
             yield sse({"text": out.new_text, "token_ids": out.new_token_ids, "finished": out.finished,
                        "meta": _meta(out)})
         yield sse("[DONE]")
 
-    async with contextlib.aclosing(recorded_stream(request, "generate", [result], started, body())) as frames:
-        async for framed in frames:
-            yield framed
+    return stream_response(request, "generate", [result], started, body())
 
 
 @router.post("/tokenize")

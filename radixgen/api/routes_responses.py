@@ -10,12 +10,11 @@ cache still holds their KV, so a follow-up pays only for its new tokens.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,17 +31,10 @@ from openai.types.responses import (
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
 
 from radixgen.api.chat import OutputReader
+from radixgen.api.chat_plan import ChatPlan, plan_chat
+from radixgen.api.jobs import ChoiceResult, apply, merge_streams, run_jobs
 from radixgen.api.protocol import ChatCompletionRequest, ResponsesRequest, ToolCall
-from radixgen.api.routes_chat import ChatPlan, plan_chat
-from radixgen.api.serving import (
-    ChoiceResult,
-    apply,
-    merge_streams,
-    observe_latency,
-    recorded_stream,
-    run_jobs,
-    sse,
-)
+from radixgen.api.sse import sse, stream_response
 from radixgen.errors import InvalidParamsError
 
 router = APIRouter()
@@ -209,8 +201,7 @@ async def create_response(req: ResponsesRequest, request: Request) -> Any:
     started = time.perf_counter()
     message_id = f"msg-{uuid.uuid4().hex[:24]}"
     if req.stream:
-        return StreamingResponse(_stream(request, req, plan, history, created, started, message_id),
-                                 media_type="text/event-stream")
+        return _stream(request, req, plan, history, created, started, message_id)
     results = await run_jobs(request, request.app.state.client, plan.jobs, "responses", started)
     if results is None:
         return JSONResponse({}, status_code=499)
@@ -222,8 +213,8 @@ async def create_response(req: ResponsesRequest, request: Request) -> Any:
     return _response(req, plan, results[0], output, created).model_dump(exclude_none=True)
 
 
-async def _stream(request: Request, req: ResponsesRequest, plan: ChatPlan, history: list[dict[str, Any]],
-                  created: float, started: float, message_id: str) -> AsyncIterator[str]:
+def _stream(request: Request, req: ResponsesRequest, plan: ChatPlan, history: list[dict[str, Any]],
+            created: float, started: float, message_id: str) -> StreamingResponse:
     """OpenAI's event sequence: created, in_progress, the output item with its text or argument
     deltas, the item done, completed (with the whole response)."""
     result = ChoiceResult()
@@ -237,8 +228,6 @@ async def _stream(request: Request, req: ResponsesRequest, plan: ChatPlan, histo
         return sse({"type": kind, "sequence_number": seq - 1, **fields})
 
     empty = _response(req, plan, result, [], created, status="in_progress").model_dump(exclude_none=True)
-    yield event("response.created", response=empty)
-    yield event("response.in_progress", response=empty)
     # output items in the order they open: the reasoning item, the message, each function call
     opened: list[tuple[str, int]] = []  # (kind, call index)
     reasoning_id = f"rs-{message_id}"
@@ -247,6 +236,8 @@ async def _stream(request: Request, req: ResponsesRequest, plan: ChatPlan, histo
         return opened.index((kind, call))
 
     async def body() -> AsyncGenerator[str, None]:
+        yield event("response.created", response=empty)
+        yield event("response.in_progress", response=empty)
         pending_text = ""
         async for item in merge_streams(request, plan.jobs):
             if item is None:
@@ -254,7 +245,7 @@ async def _stream(request: Request, req: ResponsesRequest, plan: ChatPlan, histo
                 continue
             _, out = item
             apply(result, out, streamed=True)
-            observe_latency(request.app.state.metrics, last_token_at, 0, out, started)
+            request.app.state.metrics.observe_latency(last_token_at, 0, out, started)
             deltas = reader.feed(out.new_text)
             if out.finished:
                 deltas += reader.finish()
@@ -320,6 +311,4 @@ async def _stream(request: Request, req: ResponsesRequest, plan: ChatPlan, histo
         final = _response(req, plan, result, output, created).model_dump(exclude_none=True)
         yield event("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
 
-    async with contextlib.aclosing(recorded_stream(request, "responses", [result], started, body(), lambda status, kind, message: event("error", code=str(status), message=message, param=None))) as frames:
-        async for framed in frames:
-            yield framed
+    return stream_response(request, "responses", [result], started, body(), lambda status, kind, message: event("error", code=str(status), message=message, param=None))

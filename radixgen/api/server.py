@@ -26,18 +26,18 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixgen.api.chat import ChatFormat
 from radixgen.api.drain import Drain
-from radixgen.api.engine_client import EngineClient
-from radixgen.api.engine_handle import EngineHandle
 from radixgen.api.metrics import ServerMetrics
 from radixgen.api.protocol import ErrorBody, ErrorResponse, ModelCard, ModelList
 from radixgen.api.routes_chat import router as chat_router
 from radixgen.api.routes_completions import router as completions_router
 from radixgen.api.routes_responses import ConversationStore
 from radixgen.api.routes_responses import router as responses_router
-from radixgen.api.serving import TokenBytes
+from radixgen.api.sse import TokenBytes
 from radixgen.api.tool_decision import CallScorer
 from radixgen.config import ServerConfig
 from radixgen.errors import EngineDeadError, OverloadedError, RadixgenError
+from radixgen.ipc.client import EngineClient
+from radixgen.ipc.handle import EngineHandle
 from radixgen.models.loader import DEFAULT_MODEL_NAME, is_hub_id
 
 logger = logging.getLogger(__name__)

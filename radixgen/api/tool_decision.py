@@ -26,9 +26,9 @@ from typing import Any
 
 from radixgen import tool_formats
 from radixgen.api.chat import ChatFormat, ToolPlan, chat_prompt_ids
-from radixgen.api.engine_handle import EngineHandle
 from radixgen.api.protocol import ChatCompletionRequest, Tool
-from radixgen.engine.request import SamplingParams
+from radixgen.engine.params import SamplingParams
+from radixgen.ipc.handle import EngineHandle
 
 logger = logging.getLogger(__name__)
 

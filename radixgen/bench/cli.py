@@ -49,7 +49,7 @@ def run(args: argparse.Namespace, results_dir: Path = Path("benchmarks/results")
     server = None
     url = args.url
     if url is None:
-        from radixgen.api.launch import launch_server
+        from radixgen.ipc.launch import launch_server
 
         server = launch_server(*args.serve_args.split())
         url = server.url

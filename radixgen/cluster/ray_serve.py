@@ -20,11 +20,12 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from radixgen.api.engine_handle import OutputSink, pump_into
 from radixgen.cluster.routing import UNAVAILABLE, Router, make_router
 from radixgen.config import EngineConfig, ServerConfig
-from radixgen.engine.request import RequestOutput, SamplingParams
+from radixgen.engine.output import RequestOutput
+from radixgen.engine.params import SamplingParams
 from radixgen.errors import EngineDeadError, OverloadedError
+from radixgen.ipc.handle import OutputSink, pump_into
 
 logger = logging.getLogger(__name__)
 

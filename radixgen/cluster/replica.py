@@ -16,7 +16,8 @@ from ray import serve
 
 from radixgen.config import EngineConfig
 from radixgen.engine.engine import Engine
-from radixgen.engine.request import FinishReason, RequestOutput, SamplingParams
+from radixgen.engine.output import FinishReason, RequestOutput
+from radixgen.engine.params import SamplingParams
 
 
 @serve.deployment(

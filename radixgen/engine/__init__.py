@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from radixgen.engine.request import FinishReason, RequestOutput, RequestStatus, SamplingParams
+from radixgen.engine.output import FinishReason, GenerationOutput, RequestOutput
+from radixgen.engine.params import SamplingParams
+from radixgen.engine.request import RequestStatus
 
 if TYPE_CHECKING:
-    from radixgen.engine.engine import Engine, GenerationOutput
+    from radixgen.engine.engine import Engine
 
 
 def __getattr__(name: str) -> Any:
     # the engine module imports torch; requests and their outputs (all the server's HTTP process
     # needs) do not
-    if name in ("Engine", "GenerationOutput"):
+    if name == "Engine":
         from radixgen.engine import engine
 
         return getattr(engine, name)

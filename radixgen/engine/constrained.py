@@ -28,10 +28,8 @@ from radixgen.constraints.events import SchemaValidators, Validation
 from radixgen.constraints.mask import ALL_ALLOWED, ban_tokens
 from radixgen.constraints.spec import ConstraintSpec
 from radixgen.constraints.structural import structural_parts
-from radixgen.engine.batch import StepPlan
+from radixgen.engine.plan import StepPlan
 from radixgen.engine.request import Request
-from radixgen.engine.sampler import PenaltyState, SamplingBatch
-from radixgen.engine.speculative import Verdict, verify
 from radixgen.engine.steering import BudgetSteering
 from radixgen.errors import InvalidParamsError
 from radixgen.staging import ReadBack, upload
@@ -39,7 +37,7 @@ from radixgen.staging import ReadBack, upload
 logger = logging.getLogger(__name__)
 
 _SHORTEST_CACHE_SIZE = 1024
-_DEAD_END = ("the constraint reached a state that no token of this model can continue (it may need "
+DEAD_END = ("the constraint reached a state that no token of this model can continue (it may need "
              "characters the tokenizer cannot produce): simplify the constraint")
 
 
@@ -165,13 +163,12 @@ class ConstrainedDecoding:
             if not mask[i].any():  # nothing may follow: whatever is sampled will be rejected
                 req.dead_end = (
                     "the validators rejected every token that could continue the output here" if banned else
-                    _DEAD_END)
+                    DEAD_END)
         return mask
 
-    def verify_drafts(self, plan: StepPlan, logits: torch.Tensor, sampling: SamplingBatch, penalties: PenaltyState
-                      ) -> tuple[torch.Tensor, dict[int, Verdict]]:
-        """Speculative rows' drafts checked position by position (engine/speculative.py)."""
-        return verify(plan, logits, sampling, penalties, self._bitmask[:1], _DEAD_END)
+    def scratch_mask(self) -> np.ndarray:
+        """A one-row host bitmask buffer (speculative verification fills it position by position)."""
+        return self._bitmask[:1]
 
     def verify_forced(self, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
         """Check jump-forward's forced tokens against the model's greedy choice under the mask,
@@ -234,3 +231,9 @@ class ConstrainedDecoding:
     def shutdown(self) -> None:
         if self._service is not None:
             self._service.shutdown()
+
+
+def forced_token_ids(tokenizer: Any, forced: str) -> list[int]:
+    """The tokens of a constraint's forced text, the last one left for the model: it may merge
+    with what follows ('"' + 'John' -> '"John')."""
+    return list(tokenizer.encode(forced, add_special_tokens=False))[:-1]

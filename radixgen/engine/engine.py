@@ -24,9 +24,10 @@ import numpy as np
 from radixgen.config import EngineConfig
 from radixgen.constraints import Grammar
 from radixgen.engine.constrained import ConstrainedDecoding
-from radixgen.engine.deltas import StepDeltas
 from radixgen.engine.model_runner import ModelRunner
-from radixgen.engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from radixgen.engine.output import FinishReason, GenerationOutput, RequestOutput, StepDeltas
+from radixgen.engine.params import SamplingParams
+from radixgen.engine.request import Request
 from radixgen.engine.sampler import Sampler, SamplingBatchCache
 from radixgen.engine.scheduler import Scheduler
 from radixgen.engine.step import OverlapPipeline, StepPipeline
@@ -42,32 +43,6 @@ from radixgen.models import LoadedModel
 logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
-
-
-@dataclass
-class GenerationOutput:
-    """A finished request."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: FinishReason
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-    error: str | None = None
-    user_error: bool = False
-    """The error is the caller's (e.g. an invalid constraint), not an internal fault."""
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    prompt_logprobs: list[float] | None = None
-    """With ``prompt_logprob_start``: log-probabilities of the prompt's tokens from there on."""
-    shortened: bool = False
-    """Budget steering closed the constrained output early so that it finished complete within
-    max_new_tokens (finish_reason is still "stop")."""
-    constraint_warnings: list[str] | None = None
-    """What the constraint's grammar did not enforce (a lenient compile's dropped keywords);
-    validators checked it instead."""
 
 
 @dataclass

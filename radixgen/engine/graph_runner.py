@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixgen.engine.batch import StepKind, StepPlan
 from radixgen.engine.kv_pool import PAD_SLOT, KVPool
+from radixgen.engine.plan import StepKind, StepPlan
 from radixgen.models import CausalLM
 from radixgen.models.attention import AttentionBackend, AttentionBatch
 

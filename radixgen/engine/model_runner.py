@@ -10,9 +10,9 @@ import torch
 
 from radixgen.config import AttentionBackend, EngineConfig
 from radixgen.constraints.mask import apply_bitmask
-from radixgen.engine.batch import StepPlan
 from radixgen.engine.graph_runner import DecodeRunner, create_decode_runner, pad_decode
 from radixgen.engine.kv_pool import KVPool
+from radixgen.engine.plan import StepPlan
 from radixgen.host_memory import (
     keep_freed_memory_for_reuse,
     move_into_huge_pages,

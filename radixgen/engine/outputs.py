@@ -9,9 +9,11 @@ from typing import Any
 import numpy as np
 
 from radixgen.constraints.events import Rejection
-from radixgen.engine.batch import StepPlan
+from radixgen.engine.constrained import forced_token_ids
 from radixgen.engine.detokenizer import IncrementalDetokenizer
-from radixgen.engine.request import FinishReason, Request, RequestOutput
+from radixgen.engine.output import FinishReason, RequestOutput
+from radixgen.engine.plan import StepPlan
+from radixgen.engine.request import Request
 from radixgen.engine.row_params import RowParams
 from radixgen.engine.sampler import SampleResult
 from radixgen.engine.steering import BudgetSteering
@@ -373,9 +375,3 @@ class OutputProcessor:
         assert req.on_output is not None
         req.on_output(out)
         return out
-
-
-def forced_token_ids(tokenizer: Any, forced: str) -> list[int]:
-    """The tokens of a constraint's forced text, the last one left for the model: it may merge
-    with what follows ('"' + 'John' -> '"John')."""
-    return list(tokenizer.encode(forced, add_special_tokens=False))[:-1]

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from radixgen.config import EngineConfig
-from radixgen.engine.batch import PromptScoring, StepKind, StepPlan
 from radixgen.engine.kv_cache import KVCacheManager
+from radixgen.engine.plan import PromptScoring, StepKind, StepPlan
 from radixgen.engine.request import Request, RequestStatus
 from radixgen.engine.speculative import NgramDrafter
 from radixgen.engine.stats import SchedulerStats, StepLog

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from radixgen.config import EngineConfig
-from radixgen.engine.batch import StepKind, StepPlan
-from radixgen.engine.deltas import Columns, StepDeltas
 from radixgen.engine.kv_cache import KVCacheManager
+from radixgen.engine.output import Columns, FinishReason, RequestOutput, StepDeltas
 from radixgen.engine.outputs import OutputProcessor
+from radixgen.engine.plan import StepKind, StepPlan
 from radixgen.engine.planner import BatchPlanner
-from radixgen.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from radixgen.engine.request import Request, RequestStatus
 from radixgen.engine.row_params import RowParams
 from radixgen.engine.sampler import SampleResult
 from radixgen.engine.speculative import Verdict
@@ -41,7 +41,7 @@ class _SteadyBatch:
     prompt_len: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     columns: Columns = (None, [], [], [])
     """The deltas' request ids, prompt and cached lengths, keyed by the batch's version: sent
-    once per batch (engine/deltas.py)."""
+    once per batch (engine/output.py)."""
 
     @classmethod
     def of(cls, plan: StepPlan, table: RowParams, max_context_len: int) -> _SteadyBatch:

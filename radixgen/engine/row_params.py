@@ -15,7 +15,7 @@ import numpy as np
 from radixgen.engine.request import Request
 
 if TYPE_CHECKING:
-    from radixgen.engine.deltas import StepDeltas
+    from radixgen.engine.output import StepDeltas
 
 
 class RowParams:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from radixgen.constraints.mask import apply_bitmask
-from radixgen.engine.batch import StepKind, StepPlan
+from radixgen.engine.plan import StepKind, StepPlan
 from radixgen.engine.request import Request
 from radixgen.engine.row_params import RowParams
 from radixgen.staging import ReadBack, upload

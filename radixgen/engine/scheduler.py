@@ -19,12 +19,13 @@ from typing import Any
 import numpy as np
 
 from radixgen.config import EngineConfig
-from radixgen.engine.batch import StepPlan
 from radixgen.engine.kv_cache import KVCacheManager
 from radixgen.engine.kv_pool import KVPool
+from radixgen.engine.output import FinishReason, RequestOutput
 from radixgen.engine.outputs import OutputProcessor
+from radixgen.engine.plan import StepPlan
 from radixgen.engine.planner import BatchPlanner
-from radixgen.engine.request import FinishReason, Request, RequestOutput
+from radixgen.engine.request import Request
 from radixgen.engine.results import ResultProcessor
 from radixgen.engine.sampler import SampleResult
 from radixgen.engine.speculative import Verdict

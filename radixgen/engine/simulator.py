@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 from radixgen.config import EngineConfig
-from radixgen.engine.batch import StepKind, StepPlan
 from radixgen.engine.kv_pool import KVPool
-from radixgen.engine.request import Request, SamplingParams
+from radixgen.engine.params import SamplingParams
+from radixgen.engine.plan import StepKind, StepPlan
+from radixgen.engine.request import Request
 from radixgen.engine.sampler import SampleResult
 from radixgen.engine.scheduler import Scheduler
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixgen.constraints.backend import Matcher
-from radixgen.constraints.budget import Completer, Completion, RegexCompletions
+from radixgen.constraints.budget import BudgetState, Completer, Completion, RegexCompletions
 from radixgen.constraints.spec import ConstraintSpec
 from radixgen.engine.request import Request
 
@@ -38,91 +38,6 @@ longer in the schemas we serve, and the walk (~0.2-2 ms) then runs only at the e
 
 _SLACK_TOKENS = 1
 _RETRY_AFTER_TOKENS = 4
-
-
-@dataclass
-class BudgetState:
-    """One request's view of its budget (updated token by token on the loop thread)."""
-
-    is_json: bool
-    dfa: RegexCompletions | None = None
-    """A regex's or choice list's DFA, for exact shortest completions (None: walk the matcher)."""
-    dfa_state: int | None = None
-    completion: Completion | None = None
-    """Cheapest completion from the current state (possibly from a few tokens back: see _FAR_TOKENS)."""
-    stale: bool = False
-    """Structure changed since ``completion`` was found (while far from the end)."""
-    in_string: bool = False
-    escape: bool = False
-    string_chars: int = 0
-    in_key: bool = False
-    """The open string is an object key: its text picks the property, so it changes the completion."""
-    containers: str = ""
-    """The open objects and arrays, outermost first ("{[{")."""
-    key_expected: bool = False
-    disabled: bool = False
-    """The completion's tokens were refused by the automaton: this request is not steered."""
-    retry_below: float = float("inf")
-    """After a walk found no completion: steer again only once fewer tokens than this are left."""
-    steered_tokens: int = 0
-    """Tokens appended by steering instead of the model's choice."""
-    shortened: bool = False
-    """Steering changed the output (appended tokens, or ended it where the model went on)."""
-
-    def reset(self, text: str) -> None:
-        """Follow ``text`` from the start (after a rollback took the output back to it)."""
-        self.in_string, self.escape, self.string_chars, self.in_key = False, False, 0, False
-        self.containers, self.key_expected = "", False
-        self.dfa_state = self.dfa.initial if self.dfa is not None else None
-        self.completion = None
-        self.scan(text)
-
-    def snapshot(self) -> tuple[bool, bool, int, bool, str, bool, int | None]:
-        return (self.in_string, self.escape, self.string_chars, self.in_key, self.containers, self.key_expected,
-                self.dfa_state)
-
-    def restore(self, saved: tuple[bool, bool, int, bool, str, bool, int | None]) -> None:
-        (self.in_string, self.escape, self.string_chars, self.in_key, self.containers, self.key_expected,
-         self.dfa_state) = saved
-
-    def scan(self, text: str) -> bool:
-        """Follow the text of one token; True when the completion may have changed (for JSON,
-        when the token touched structure: anything outside a string value, or a quote)."""
-        if self.dfa is not None:
-            self.dfa_state = self.dfa.advance(self.dfa_state, text)
-            return True
-        if not self.is_json:
-            return True
-        touched = False
-        for ch in text:
-            if not self.in_string:
-                touched = True
-                if ch == '"':
-                    # a key opens right after "{" or after a comma inside an object
-                    self.in_key = self.containers.endswith("{") and self.key_expected
-                    self.in_string, self.string_chars = True, 0
-                elif ch in "{[":
-                    self.containers += ch
-                    self.key_expected = ch == "{"
-                elif ch in "}]":
-                    self.containers = self.containers[:-1]
-                elif ch == ",":
-                    self.key_expected = True
-                elif ch == ":":
-                    self.key_expected = False
-                continue
-            touched = touched or self.in_key
-            if self.escape:
-                self.escape = False
-                self.string_chars += 1
-            elif ch == "\\":
-                self.escape = True
-            elif ch == '"':
-                self.in_string, touched = False, True
-                self.key_expected = False
-            else:
-                self.string_chars += 1
-        return touched
 
 
 @dataclass(frozen=True)

@@ -28,13 +28,14 @@ import numpy as np
 import torch
 
 from radixgen.constraints.mask import apply_bitmask
-from radixgen.engine.batch import StepKind, StepPlan
-from radixgen.engine.constrained import ConstrainedDecoding
+from radixgen.engine.constrained import DEAD_END, ConstrainedDecoding
 from radixgen.engine.model_runner import ModelRunner, split_prompt_scores
+from radixgen.engine.plan import StepKind, StepPlan
 from radixgen.engine.request import Request
 from radixgen.engine.sampler import Sampler, SampleResult, SamplingBatchCache
 from radixgen.engine.scheduler import Scheduler
 from radixgen.engine.speculative import Verdict
+from radixgen.engine.speculative import verify as verify_drafts
 from radixgen.staging import upload
 
 logger = logging.getLogger(__name__)
@@ -131,7 +132,8 @@ class StepPipeline:
             verdicts = None
             if plan.draft_lens is not None:
                 sampling = self.sampling_batches.get(plan)
-                logits, verdicts = self.constraints.verify_drafts(plan, logits, sampling, self.sampler.penalties)
+                logits, verdicts = verify_drafts(plan, logits, sampling, self.sampler.penalties,
+                                                 self.constraints.scratch_mask(), DEAD_END)
             else:
                 if plan.verify_counts is not None:
                     logits = self.constraints.verify_forced(plan, logits)

@@ -4,7 +4,7 @@
 quant_linear}`` are defined here. Each has three implementations, picked by PyTorch's dispatcher
 from the tensors' device: the C++ kernel for CPU (``fused_ops.cpp`` and the others register it
 when the extension loads), a Triton kernel for CUDA (``triton_ops.py``; ``small_linear`` and
-``quant_linear`` run the PyTorch code there), and the PyTorch code below as the fallback for
+``quant_linear`` run the PyTorch code there), and the PyTorch code (``reference.py``) as the fallback for
 every other case (``CompositeExplicitAutograd``: a CPU without a compiler, any other device).
 Fake implementations give shapes without computing, for ``torch.compile`` and CUDA graphs.
 
@@ -19,9 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from radixgen.kernels import quant_layout
+from radixgen.kernels.reference import REFERENCE
 
 _lib = torch.library.Library("radixgen", "FRAGMENT")
 
@@ -35,62 +34,6 @@ SCHEMAS = {
     "small_linear": "small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
     "quant_linear": "quant_linear(Tensor x, Tensor packed, int out_features, int bits) -> Tensor",
 }
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, multiply_in_float: bool = False) -> torch.Tensor:
-    """Normalise in float32 and round before the weight multiply, as transformers' LlamaRMSNorm
-    does (``multiply_in_float``: multiply first, then round, as Gemma and OLMo 2 do)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
-    if multiply_in_float:
-        return (normed * weight.float()).to(x.dtype)
-    return weight * normed.to(x.dtype)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 multiply_in_float: bool = False) -> torch.Tensor:
-    """residual += x (in place), then ``rms_norm`` of the sum."""
-    residual.add_(x)
-    return rms_norm(residual, weight, eps, multiply_in_float)
-
-
-def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, out_cache_loc: torch.Tensor,
-                  num_heads: int) -> torch.Tensor:
-    """qkv [T, (H + 2 KVH) * D] -> rotated q [T, H, D]; the rotated k and v go to the pool slots
-    ``out_cache_loc`` of k_cache / v_cache [slots, KVH, D]. Rotary in the half-split layout of HF
-    checkpoints: x * cos + rotate_half(x) * sin, the first product rounded, the sum once."""
-    num_tokens = qkv.shape[0]
-    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
-    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].reshape(num_tokens, num_heads + num_kv_heads, head_dim)
-    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    first, second = qk.chunk(2, dim=-1)
-    rotated = torch.addcmul(qk * c, torch.cat([-second, first], dim=-1), s)
-    v = qkv[:, (num_heads + num_kv_heads) * head_dim :].reshape(num_tokens, num_kv_heads, head_dim)
-    k_cache.index_copy_(0, out_cache_loc, rotated[:, num_heads:])
-    v_cache.index_copy_(0, out_cache_loc, v)
-    return rotated[:, :num_heads].contiguous()
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T + b over the plain [out, in] weight (the CPU kernel: a matrix-vector product per row)."""
-    return F.linear(x, weight, bias)
-
-
-def quant_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bits: int) -> torch.Tensor:
-    """x @ dequant(W).T for a 4- or 8-bit weight in the kernel's layout (``quant_layout``)."""
-    return F.linear(x, quant_layout.dequantize_packed(packed, out_features, bits, x.dtype))
-
-
-REFERENCE = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope_store_kv": rope_store_kv,
-             "silu_mul": silu_mul, "small_linear": small_linear, "quant_linear": quant_linear}
 
 
 def _fake_rows(x: torch.Tensor, *_: Any) -> torch.Tensor:

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixgen.kernels import reference
+
 
 @triton.jit
 def _rms_norm_kernel(X, Residual, W, Out, stride_x, stride_r, stride_o, dim, eps,
@@ -131,9 +133,7 @@ def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                   num_heads: int) -> torch.Tensor:
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     if head_dim & (head_dim - 1):  # the kernel's halves are aranges: other head sizes take the PyTorch op
-        from radixgen.kernels import ops
-
-        return ops.rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, out_cache_loc, num_heads)
+        return reference.rope_store_kv(qkv, positions, cos, sin, k_cache, v_cache, out_cache_loc, num_heads)
     qkv = _rows(qkv)
     num_tokens = qkv.shape[0]
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()

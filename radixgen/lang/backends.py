@@ -101,7 +101,7 @@ class Runtime(Backend):
         self.engine = engine if engine is not None else Engine(model=model, **engine_options)
 
     def _params(self, params: dict[str, Any]) -> Any:
-        from radixgen.engine.request import SamplingParams
+        from radixgen.engine.params import SamplingParams
 
         return SamplingParams(**params)
 

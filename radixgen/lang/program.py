@@ -88,7 +88,7 @@ class Program:
     def _split_kwargs(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         import inspect
 
-        from radixgen.engine.request import SamplingParams
+        from radixgen.engine.params import SamplingParams
 
         accepted = inspect.signature(self.fn).parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())

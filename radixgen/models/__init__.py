@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from radixgen.models.checkpoint import load_into, load_quantized_into
 from radixgen.models.config import ModelConfig
 from radixgen.models.decoder import CausalLM
 from radixgen.models.families import FAMILIES, supported_architectures
@@ -47,7 +48,7 @@ def build_model(
 ) -> CausalLM:
     with torch.device(device):
         model = CausalLM(cfg, dtype, max_positions or cfg.max_position_embeddings)
-    model.load_hf_state_dict(state)
+    load_into(model, state)
     return model.eval()
 
 
@@ -59,7 +60,7 @@ def build_quantized_model(
     ``state`` already quantized, from a GGUF file, are taken as they are)."""
     with torch.device(device):
         model = CausalLM(cfg, dtype, max_positions or cfg.max_position_embeddings)
-    model.load_quantized_state_dict(state, bits)
+    load_quantized_into(model, state, bits)
     return model.eval()
 
 

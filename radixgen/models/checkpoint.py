@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixgen.models.layers import Linear
 from radixgen.models.moe import SparseMoE
 from radixgen.models.quantized import (
     QuantizedEmbedding,
@@ -49,6 +50,18 @@ class _Tensors:
 
 @torch.no_grad()
 def load_into(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
+    """Copy an HF-named state dict in: fuse q/k/v and gate/up (unless the checkpoint stores them
+    fused), fold a norm offset into the norm weights, stack experts; then pack each linear for
+    its kernel and tie the head to the embedding where the model does."""
+    _copy_weights(model, state)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.pack()
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.embed  # the plain head the small-batch path reads: no second copy
+
+
+def _copy_weights(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
     cfg = model.config
     family = cfg.family
     take = _Tensors(state, model.embed.dtype)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -196,24 +195,6 @@ class CausalLM(nn.Module):
         logits = self.lm_head(x).float()
         cap = self.config.final_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
-
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy an HF-named state dict in: fuse q/k/v and gate/up (unless the checkpoint stores
-        them fused), fold a norm offset into the norm weights, stack experts."""
-        from radixgen.models.checkpoint import load_into
-
-        load_into(self, state)
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack()
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed  # the plain head the small-batch path reads: no second copy
-
-    def load_quantized_state_dict(self, state: dict[str, Any], bits: int) -> None:
-        """Load with weight-only quantized linears and embedding (``checkpoint.load_quantized_into``)."""
-        from radixgen.models.checkpoint import load_quantized_into
-
-        load_quantized_into(self, state, bits)
 
     def weight_bytes(self) -> int:
         """Bytes of the weights this model holds (parameters and weight buffers; rotary tables excluded)."""

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from radixgen.api.launch import ServerProcess
+from radixgen.ipc.launch import ServerProcess
 
 
 class LiveServer(ServerProcess):

@@ -53,8 +53,8 @@ def test_reader_splits_reasoning_content_and_calls() -> None:
 
 
 def test_coalesced_outputs_carry_both_pieces_and_the_later_final_state() -> None:
-    from radixgen.api.serving import coalesce
-    from radixgen.engine.request import FinishReason, RequestOutput
+    from radixgen.api.jobs import coalesce
+    from radixgen.engine.output import FinishReason, RequestOutput
 
     first = RequestOutput("r", [5], "He", False, new_logprobs=[-0.5], new_top_logprobs=[[(5, -0.5)]])
     last = RequestOutput("r", [6, 7], "llo", True, finish_reason=FinishReason.STOP, new_logprobs=[-1.0, -2.0],

@@ -23,7 +23,7 @@ PROMPT = "The engine outlives its fronts: " + "a warm prefix cache is worth keep
 def _start_engine(folder: Path, model_dir: Path) -> tuple[subprocess.Popen[str], Any]:
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - read when a test fails
     proc = subprocess.Popen(
-        [sys.executable, "-m", "radixgen.api.cli", "engine", "--listen", str(folder), "--model", str(model_dir),
+        [sys.executable, "-m", "radixgen.cli", "engine", "--listen", str(folder), "--model", str(model_dir),
          "--kv-cache-tokens", "20000", "--max-context-len", "1024", "--log-level", "info"],
         stdout=log, stderr=subprocess.STDOUT, text=True)
     return proc, log

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from radixgen.api.engine_handle import OutputSink, pump_into
-from radixgen.engine.request import RequestOutput
+from radixgen.engine.output import RequestOutput
+from radixgen.ipc.handle import OutputSink, pump_into
 
 
 def _out(rid: str, text: str, finished: bool = False) -> RequestOutput:

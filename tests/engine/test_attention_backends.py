@@ -66,7 +66,7 @@ def test_a_server_config_checks_its_own_choices_too() -> None:
 def test_the_cli_lists_the_choices() -> None:
     import argparse
 
-    from radixgen.api.cli import add_config_flags
+    from radixgen.cli import add_config_flags
 
     parser = argparse.ArgumentParser()
     add_config_flags(parser)

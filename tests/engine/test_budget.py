@@ -190,7 +190,7 @@ def test_budget_state_treats_key_text_as_structure_and_value_text_not() -> None:
     """Inside a value string the cheapest completion cannot change (the walk is skipped); inside a
     key it can (the key picks the property whose value must follow), and so can anything outside
     strings. A wrong reading here let an optional property's key pass unpriced."""
-    from radixgen.engine.steering import BudgetState
+    from radixgen.constraints.budget import BudgetState
 
     state = BudgetState(is_json=True)
     steps = [('{"', True), ("name", True), ('": "', True), ("some words", False), (" more", False),

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from radixgen import Engine, EngineConfig, SamplingParams
-from radixgen.engine.request import FinishReason
+from radixgen.engine.output import FinishReason
 from tests.conftest import make_tiny_hf_model
 
 pytestmark = pytest.mark.cuda

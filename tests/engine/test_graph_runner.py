@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from radixgen import Engine, SamplingParams
-from radixgen.engine.batch import StepKind, StepPlan
 from radixgen.engine.graph_runner import (
     CudaGraphDecode,
     DecodeRunner,
@@ -21,6 +20,7 @@ from radixgen.engine.graph_runner import (
     pad_decode,
 )
 from radixgen.engine.kv_pool import PAD_SLOT
+from radixgen.engine.plan import StepKind, StepPlan
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "1, 2, 3, 4,", "Hello", "Dear"]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from radixgen import Engine, SamplingParams
-from radixgen.engine.request import RequestOutput
+from radixgen.engine.output import RequestOutput
 
 
 def _greedy(n: int) -> SamplingParams:

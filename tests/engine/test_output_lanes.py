@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from radixgen import EngineConfig, FinishReason, SamplingParams
-from radixgen.engine.batch import StepKind, StepPlan
-from radixgen.engine.deltas import DeltaReader, StepDeltas
 from radixgen.engine.detokenizer import ConsumerText
 from radixgen.engine.kv_pool import KVPool
-from radixgen.engine.request import Request, RequestOutput
+from radixgen.engine.output import DeltaReader, RequestOutput, StepDeltas
+from radixgen.engine.plan import StepKind, StepPlan
+from radixgen.engine.request import Request
 from radixgen.engine.results import ResultProcessor
 from radixgen.engine.sampler import SampleResult, SamplingBatch, SamplingBatchCache
 from radixgen.engine.scheduler import Scheduler

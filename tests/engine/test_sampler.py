@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from radixgen.engine.request import Request, SamplingParams
+from radixgen.engine.params import SamplingParams
+from radixgen.engine.request import Request
 from radixgen.engine.sampler import Sampler, SamplingBatch, uniform_from_counter
 from radixgen.errors import InvalidParamsError
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from radixgen import EngineConfig
-from radixgen.api.cli import main as cli_main
+from radixgen.cli import main as cli_main
 from radixgen.engine.planner import DecodeReserve
 from radixgen.engine.simulator import (
     ReplicaSim,

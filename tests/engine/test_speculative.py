@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from radixgen import Engine, SamplingParams
-from radixgen.engine.speculative import NgramIndex
+from radixgen.engine.ngram import NgramIndex
 
 # prompts the tiny model continues with runs of repeated tokens (so drafts are accepted) and
 # with turns (so some are rejected)
@@ -44,7 +44,7 @@ def test_drafts_must_be_accepted_as_often_as_they_cost_at_the_batch_size() -> No
 
     import numpy as np
 
-    from radixgen.engine.batch import StepKind
+    from radixgen.engine.plan import StepKind
     from radixgen.engine.speculative import DraftCost
 
     def plan(rows: int, drafts: list[int] | None) -> Any:

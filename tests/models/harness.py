@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from radixgen.engine.batch import StepKind, StepPlan
 from radixgen.engine.kv_pool import KVPool
+from radixgen.engine.plan import StepKind, StepPlan
 from radixgen.kernels import CpuKernels, cpu_kernels
 from radixgen.models import CausalLM
 from radixgen.models.attention import AttentionBackend, create_backend

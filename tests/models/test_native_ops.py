@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixgen.kernels import ops
+from radixgen.kernels import reference
 from radixgen.models.config import RopeSpec
 from radixgen.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 
@@ -95,10 +95,10 @@ def _check_norms(rms_norm, add_rms_norm, dtype, tokens, multiply_in_float) -> No
     x = (torch.randn(tokens, 200) * 3).to(dtype)
     residual = torch.randn(tokens, 200).to(dtype)
     x[0] = 0  # a zero row: eps keeps it finite
-    _close(rms_norm(x, norm.weight, norm.eps, multiply_in_float), ops.rms_norm(x, norm.weight, norm.eps, multiply_in_float))
+    _close(rms_norm(x, norm.weight, norm.eps, multiply_in_float), reference.rms_norm(x, norm.weight, norm.eps, multiply_in_float))
 
     expected_residual = residual.clone()
-    expected_normed = ops.add_rms_norm(x, expected_residual, norm.weight, norm.eps, multiply_in_float)
+    expected_normed = reference.add_rms_norm(x, expected_residual, norm.weight, norm.eps, multiply_in_float)
     in_place = residual.clone()
     normed = add_rms_norm(x, in_place, norm.weight, norm.eps, multiply_in_float)
     torch.testing.assert_close(in_place, expected_residual, rtol=0, atol=0)  # one rounding, same place
@@ -168,7 +168,7 @@ def test_silu_mul_matches_swiglu_activation(kernels, dtype, tokens) -> None:
     out = torch.ops.radixgen.silu_mul(gate_up)
     assert torch.isfinite(out).all()
     _close(out, F.silu(gate) * up)
-    _close(ops.silu_mul(gate_up), F.silu(gate) * up)
+    _close(reference.silu_mul(gate_up), F.silu(gate) * up)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -180,7 +180,7 @@ def test_swiglu_native_path_matches_its_definition(kernels, dtype) -> None:
         module.pack()
     for tokens in (1, 2, 17):
         x = torch.randn(tokens, 64).to(dtype)
-        expected = F.linear(ops.silu_mul(F.linear(x, mlp.gate_up.weight)), mlp.down.weight)
+        expected = F.linear(reference.silu_mul(F.linear(x, mlp.gate_up.weight)), mlp.down.weight)
         _close(mlp(x), expected, atol=2e-4)
 
 
@@ -209,11 +209,11 @@ def test_triton_norms_match_their_definition(dtype, tokens, multiply_in_float) -
     x = (torch.randn(tokens, 200) * 3).to(dtype)
     x[0] = 0  # a zero row: eps keeps it finite
     _close_interpreted(triton_ops.rms_norm(x, norm.weight, norm.eps, multiply_in_float),
-                       ops.rms_norm(x, norm.weight, norm.eps, multiply_in_float))
+                       reference.rms_norm(x, norm.weight, norm.eps, multiply_in_float))
     residual = torch.randn(tokens, 200).to(dtype)
     got_residual, want_residual = residual.clone(), residual.clone()
     got = triton_ops.add_rms_norm(x, got_residual, norm.weight, norm.eps, multiply_in_float)
-    want = ops.add_rms_norm(x, want_residual, norm.weight, norm.eps, multiply_in_float)
+    want = reference.add_rms_norm(x, want_residual, norm.weight, norm.eps, multiply_in_float)
     _close_interpreted(got_residual, want_residual)
     _close_interpreted(got, want)
 
@@ -224,7 +224,7 @@ def test_triton_silu_mul_matches_its_definition(dtype) -> None:
 
     gate_up = (torch.randn(3, 2 * 150) * 4).to(dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -20.0]).to(dtype)
-    _close_interpreted(triton_ops.silu_mul(gate_up), ops.silu_mul(gate_up))
+    _close_interpreted(triton_ops.silu_mul(gate_up), reference.silu_mul(gate_up))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -238,7 +238,7 @@ def test_triton_rope_store_kv_matches_its_definition(dtype, heads, kv_heads, hea
     got_k, got_v = torch.zeros(32, kv_heads, head_dim, dtype=dtype), torch.zeros(32, kv_heads, head_dim, dtype=dtype)
     want_k, want_v = got_k.clone(), got_v.clone()
     q = triton_ops.rope_store_kv(qkv, positions, rope.cos, rope.sin, got_k, got_v, slots, heads)
-    expected_q = ops.rope_store_kv(qkv, positions, rope.cos, rope.sin, want_k, want_v, slots, heads)
+    expected_q = reference.rope_store_kv(qkv, positions, rope.cos, rope.sin, want_k, want_v, slots, heads)
     _close_interpreted(q, expected_q)
     _close_interpreted(got_k, want_k)
     torch.testing.assert_close(got_v, want_v, rtol=0, atol=0)

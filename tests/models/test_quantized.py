@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from radixgen.kernels import cpu_kernels, ops
+from radixgen.kernels import cpu_kernels
+from radixgen.kernels import reference as fused_ops_reference
 from radixgen.models.gguf_weights import _repack
 from radixgen.models.quantized import (
     QuantizedLinear,
@@ -47,7 +48,7 @@ def test_kernel_matches_the_dequantized_float_linear(kernels: Any, bits: int, ou
     assert ((got.float() - reference).abs() / scale).max() < tolerance
     # the op's PyTorch definition (other devices) agrees, to accumulation order
     torch_tolerance = 1e-4 if dtype == torch.float32 else tolerance
-    defined = ops.quant_linear(x, linear.packed, out, bits) + bias
+    defined = fused_ops_reference.quant_linear(x, linear.packed, out, bits) + bias
     torch.testing.assert_close(defined.float(), reference, atol=float(scale) * torch_tolerance, rtol=0)
 
 

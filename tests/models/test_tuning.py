@@ -146,7 +146,7 @@ def test_metrics_show_the_chosen_kernels() -> None:
 def test_radixgen_tune_prints_and_caches_the_choices(
     tiny_model_dir: Path, tuning_cache: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from radixgen.api.cli import main
+    from radixgen.cli import main
 
     assert main(["tune", "--model", str(tiny_model_dir), "--num-threads", "1"]) == 0
     out = capsys.readouterr().out

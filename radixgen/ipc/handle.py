@@ -8,7 +8,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from radixgen.engine.request import RequestOutput, SamplingParams
+from radixgen.engine.output import RequestOutput
+from radixgen.engine.params import SamplingParams
 
 Delivery = tuple[int, "RequestOutput | BaseException"]
 """(tag, an output) or (tag, why the request failed)."""

@@ -81,7 +81,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         client = ClusterClient(config, start_replicas(config))
     else:
-        from radixgen.api.engine_client import EngineClient
+        from radixgen.ipc.client import EngineClient
 
         client = EngineClient(config, restarts=config.engine_restarts, attach=config.engine_address)
         client.launch()  # the model loads while the HTTP stack below is imported
@@ -95,7 +95,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     server_config = uvicorn.Config(app, host=config.host, port=config.port,
                                    log_level=config.log_level, timeout_graceful_shutdown=5)
     DrainingServer(server_config, app.state.drain).run()
-    from radixgen.engine.process import skip_exit_collection
+    from radixgen.ipc.process import skip_exit_collection
 
     skip_exit_collection()
     return 0
@@ -104,7 +104,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_engine(args: argparse.Namespace) -> int:
     """An engine process on its own, for servers started with ``--engine-address`` (it
     outlives them); SIGTERM stops it."""
-    from radixgen.engine.process import engine_process_main, listen_addresses
+    from radixgen.ipc.process import engine_process_main, listen_addresses
 
     folder = Path(args.listen)
     folder.mkdir(parents=True, exist_ok=True)

@@ -17,8 +17,7 @@ import time
 from typing import Any
 
 from radixgen.config import EngineConfig
-from radixgen.engine.deltas import StepDeltas
-from radixgen.engine.request import FinishReason, RequestOutput
+from radixgen.engine.output import FinishReason, RequestOutput, StepDeltas
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +62,7 @@ def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: 
         outbox.connect(outputs_addr)
     send_lock = threading.Lock()
     pending: list[RequestOutput] = []
-    deltas = StepDeltas()  # the plain decode rows' deltas, as columns (engine/deltas.py)
+    deltas = StepDeltas()  # the plain decode rows' deltas, as columns (engine/output.py)
 
     def send(message: Any) -> None:
         with send_lock:

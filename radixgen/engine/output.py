@@ -1,4 +1,11 @@
-"""A step's one-token stream deltas as columns, for a consumer in another process.
+"""What the engine gives back: a request's ``FinishReason``, the per-step ``RequestOutput`` (a
+delta, or the final state), the blocking front's ``GenerationOutput``, and the columnar wire
+format of plain decode deltas (``StepDeltas`` / ``DeltaReader``).
+
+Plain data without torch: the server's HTTP process imports it.
+
+The delta wire format: a step's one-token stream deltas as columns, for a consumer in another
+process.
 
 The engine process sends each step's outputs to the HTTP front in one message. As objects that
 cost one ``RequestOutput`` per running request per step on the engine thread, and pickling a
@@ -15,9 +22,76 @@ the reader resolves to the columns it kept.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterator
+from dataclasses import dataclass
 
-from radixgen.engine.request import RequestOutput
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens or the context limit
+    ABORT = "abort"  # aborted by the caller (or its client went away)
+    CONSTRAINT_VIOLATION = "constraint_violation"  # validators kept rejecting past the retry bound
+    ERROR = "error"  # an internal fault ended this request; the engine keeps serving
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request (a delta), or its final state when finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    user_error: bool = False
+    """The error is the caller's (a bad parameter), not an internal fault."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    output_ids: list[int] | None = None
+    """Final output only: every output token id (streamed deltas add up to the same)."""
+    prompt_logprobs: list[float] | None = None
+    """Final output only, with ``prompt_logprob_start``: log-probabilities of the prompt's tokens
+    from that index on."""
+    text: str | None = None
+    """Final output only: the whole output text."""
+    constraint_warnings: list[str] | None = None
+    """Final output only: what the constraint's grammar does not enforce (validators check it)."""
+    shortened: bool = False
+    """Final output only: budget steering closed the constrained output early (a string, an
+    array or an object was ended, or the rest completed with its shortest valid text) so that it
+    finished within max_new_tokens."""
+
+
+@dataclass
+class GenerationOutput:
+    """A finished request."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    error: str | None = None
+    user_error: bool = False
+    """The error is the caller's (e.g. an invalid constraint), not an internal fault."""
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float] | None = None
+    """With ``prompt_logprob_start``: log-probabilities of the prompt's tokens from there on."""
+    shortened: bool = False
+    """Budget steering closed the constrained output early so that it finished complete within
+    max_new_tokens (finish_reason is still "stop")."""
+    constraint_warnings: list[str] | None = None
+    """What the constraint's grammar did not enforce (a lenient compile's dropped keywords);
+    validators checked it instead."""
+
 
 Columns = tuple[int | None, list[str], list[int], list[int]]
 """(key or None, request ids, prompt tokens, cached tokens): what a block's rows keep from step

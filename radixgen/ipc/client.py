@@ -1,7 +1,7 @@
 """The HTTP process's handle on the engine process: submit, stream, abort, health.
 
 Outputs arrive one message per engine step (the plain decode rows' deltas as columns,
-``engine.deltas``) and are put straight into each request's output sink
+``engine.output``) and are put straight into each request's output sink
 (``engine_handle.OutputSink``). If the engine process dies, every waiting request gets
 ``EngineDeadError`` (HTTP 503) at once,
 and new requests are refused with the same error until it is back.
@@ -23,13 +23,13 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from radixgen.api.engine_handle import OutputSink
 from radixgen.config import EngineConfig
-from radixgen.engine.deltas import DeltaReader
 from radixgen.engine.detokenizer import ConsumerText
-from radixgen.engine.process import FRONT_TIMEOUT_S, engine_process_main, listen_addresses
-from radixgen.engine.request import RequestOutput, SamplingParams
+from radixgen.engine.output import DeltaReader, RequestOutput
+from radixgen.engine.params import SamplingParams
 from radixgen.errors import EngineDeadError, OverloadedError
+from radixgen.ipc.handle import OutputSink
+from radixgen.ipc.process import FRONT_TIMEOUT_S, engine_process_main, listen_addresses
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class EngineClient:
         self._sinks: dict[str, tuple[OutputSink, int, ConsumerText | None]] = {}
         """Unfinished requests: where their outputs go (sink, tag, and the text made here for a
         request the engine does not detokenize)."""
-        self._deltas = DeltaReader()  # it keeps the batch columns the engine sends once (engine/deltas.py)
+        self._deltas = DeltaReader()  # it keeps the batch columns the engine sends once (engine/output.py)
         self.tokenizer: Any = None
         """Set by the server once loaded: the text of requests without stop strings or a
         constraint is then made here from their token ids, off the engine's loop."""
@@ -300,7 +300,7 @@ class EngineClient:
                         entry[0].put(entry[1], out)
                         if out.finished:
                             del sinks[out.request_id]
-                if blocks is not None:  # one-token deltas of requests that go on (engine/deltas.py)
+                if blocks is not None:  # one-token deltas of requests that go on (engine/output.py)
                     for out in self._deltas.expand(blocks):
                         entry = sinks.get(out.request_id)
                         if entry is not None:

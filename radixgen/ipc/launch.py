@@ -85,7 +85,7 @@ class ServerProcess(ChildServer):
     ) -> None:
         """``args`` are more ``radixgen serve`` flags; ``env``, variables added to the child's."""
         port = port or free_port()
-        cmd = [sys.executable, "-m", "radixgen.api.cli", "serve", "--port", str(port), "--log-level", "warning"]
+        cmd = [sys.executable, "-m", "radixgen.cli", "serve", "--port", str(port), "--log-level", "warning"]
         super().__init__([*cmd, *(["--model", model] if model else []), *args], port, env=env, timeout=timeout)
 
 

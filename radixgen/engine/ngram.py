@@ -1,0 +1,61 @@
+"""A request's n-gram drafting state (speculative.py drafts and verifies with it): an index of
+where each recent n-gram of its tokens last occurred, and how much it drafts next."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_MIN_MATCH = 2
+# Only the most recent tokens are indexed: a draft comes from the latest occurrence anyway.
+_INDEX_WINDOW = 4096
+
+
+@dataclass
+class NgramIndex:
+    """Where each n-gram of a request's tokens last occurred (n = 2 .. max_n), as the index of
+    the token that followed it. The newest position is never indexed before it is looked up,
+    so a lookup finds an earlier occurrence, never the suffix itself."""
+
+    max_n: int
+    tables: list[dict[tuple[int, ...], int]] = field(default_factory=list)
+    indexed_to: int = 0
+    """n-grams ending before this position are in the tables."""
+
+    def __post_init__(self) -> None:
+        self.tables = [{} for _ in range(self.max_n + 1)]
+
+    def update(self, tokens: list[int]) -> None:
+        end = len(tokens) - 1  # the last token's n-grams wait until a token follows them
+        start = max(self.indexed_to, end - _INDEX_WINDOW)
+        for stop in range(start + 1, end + 1):  # n-grams tokens[stop - n : stop], followed by tokens[stop]
+            for n in range(_MIN_MATCH, min(self.max_n, stop) + 1):
+                self.tables[n][tuple(tokens[stop - n : stop])] = stop
+        self.indexed_to = max(self.indexed_to, end)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the longest recent match of the sequence's suffix
+        (at least two tokens long: a single common token predicts too little to pay)."""
+        for n in range(min(self.max_n, len(tokens)), _MIN_MATCH - 1, -1):
+            start = self.tables[n].get(tuple(tokens[len(tokens) - n :]))
+            if start is not None:
+                return tokens[start : start + k]
+        return []
+
+
+@dataclass
+class DraftState:
+    """A speculating request's drafting state."""
+
+    index: NgramIndex
+    tokens: list[int] = field(default_factory=list)
+    """The request's prompt and output, kept up to date by appending (not rebuilt each step)."""
+    draft: list[int] = field(default_factory=list)
+    """The tokens drafted for this step (verified after the forward)."""
+    length: int = 2
+    """How many tokens to draft next: doubled after a draft accepted whole, otherwise one more
+    than the last draft's accepted part (a drafted position costs about a quarter of a decode
+    step here: benchmarks/bench_speculative.py)."""
+    drafted: int = 0
+    accepted: int = 0
+    gave_up: bool = False
+    """Not drafting (any more): its drafts stopped paying, or the request cannot speculate."""
