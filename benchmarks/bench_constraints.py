@@ -220,7 +220,7 @@ def budget_runs(dtype: str, budgets: list[int], seeds: int) -> list[dict[str, An
     for steering in (False, True):
         engine = Engine(EngineConfig(dtype=dtype, budget_steering=steering))  # type: ignore[arg-type]
         spent = [0.0]  # seconds inside steering's per-token decision (walks included)
-        steer = engine.scheduler.outputs.steering
+        steer = engine.scheduler.appender.steering
         if steer is not None:
             decide = steer.after_accept
 

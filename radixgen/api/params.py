@@ -9,8 +9,8 @@ from typing import Any
 from fastapi import HTTPException, Request
 
 from radixgen.api.protocol import SamplingFields
-from radixgen.engine.params import SamplingParams
-from radixgen.errors import InvalidParamsError, PromptTooLongError
+from radixgen.engine.params import SamplingParams, context_room
+from radixgen.errors import InvalidParamsError
 
 
 def check_model(req: SamplingFields, request: Request) -> None:
@@ -47,16 +47,7 @@ def constraint_fields(req: Any) -> dict[str, Any]:
 def build_params(req: SamplingFields, prompt_len: int, engine_info: dict[str, Any], *, max_tokens: int | None,
                  logprobs: bool = False, top_logprobs: int = 0, seed_offset: int = 0,
                  constraint: dict[str, Any] | None = None) -> SamplingParams:
-    max_context = engine_info["max_context_len"]
-    room = max_context - prompt_len
-    if room < 1:
-        raise PromptTooLongError(f"the prompt has {prompt_len} tokens; the context holds {max_context} "
-                                 f"(max_context_len): shorten it")
-    if max_tokens is not None and max_tokens > room:
-        raise PromptTooLongError(
-            f"max_tokens is {max_tokens} but only {room} tokens fit after the {prompt_len}-token prompt "
-            f"(context {max_context}, max_context_len): lower max_tokens or shorten the prompt"
-        )
+    room = context_room(prompt_len, engine_info["max_context_len"], max_tokens, name="max_tokens")
     cap = engine_info.get("max_new_tokens_limit")
     bias = None
     if req.logit_bias:

@@ -30,6 +30,7 @@ from radixgen.constraints.spec import ConstraintSpec
 from radixgen.constraints.structural import structural_parts
 from radixgen.engine.plan import StepPlan
 from radixgen.engine.request import Request
+from radixgen.engine.sampler import logprob_parts
 from radixgen.engine.steering import BudgetSteering
 from radixgen.errors import InvalidParamsError
 from radixgen.staging import ReadBack, upload
@@ -75,7 +76,7 @@ class ConstrainedDecoding:
         assert spec is not None
         if self.steering is not None:
             shortest, dfa = self._shortest_output(spec, matcher)
-            budget = min(req.params.max_new_tokens, max_context_len - req.prompt_len)
+            budget = req.tokens_left(max_context_len)
             if shortest is not None and shortest.cost > budget:
                 raise InvalidParamsError(
                     f"the shortest output the {spec.kind.replace('_', ' ')} allows is {shortest.cost} tokens "
@@ -190,23 +191,20 @@ class ConstrainedDecoding:
             req = plan.requests[i]
             matcher = req.matcher
             assert matcher is not None
+            forced = req.output_ids[len(req.output_ids) - m :]
             matcher.rollback(m)
-            for j, tok in enumerate(req.output_ids[len(req.output_ids) - m :]):
-                matcher.fill_bitmask(masks, row + j)
-                accepted = matcher.accept(tok)
-                assert accepted is not False, "a forced token the matcher had accepted was refused"
+            walked, takes, _ = walk_masks(req, forced, masks.shape[1], len(req.output_ids) - m)
+            again = matcher.accept_all(forced)  # back to the state after them
+            assert takes == [True] * m and again, "a forced token the matcher had accepted was refused"
+            masks[row : row + m] = walked[:m]
             row += m
         positions = logits[batch : batch + total]
         (device_masks,) = upload([masks], positions.device)
         scores = positions.clone()
         apply_bitmask(scores, device_masks)
         choices = scores.argmax(dim=-1)
-        logprobs = torch.log_softmax(positions.float(), dim=-1)
-        chosen = logprobs.gather(1, choices[:, None]).squeeze(1)
         top = max((plan.requests[i].params.top_logprobs for i, m in enumerate(counts) if m), default=0)
-        best = torch.topk(logprobs, top, dim=-1) if top else None
-        host = ReadBack([choices, chosen, None if best is None else best.indices,
-                         None if best is None else best.values]).wait()
+        host = ReadBack([choices, *logprob_parts(positions, choices, top)]).wait()
         choice_ids, chosen_lp, top_ids, top_lp = host
         assert choice_ids is not None and chosen_lp is not None
         row = 0
@@ -237,3 +235,37 @@ def forced_token_ids(tokenizer: Any, forced: str) -> list[int]:
     """The tokens of a constraint's forced text, the last one left for the model: it may merge
     with what follows ('"' + 'John' -> '"John')."""
     return list(tokenizer.encode(forced, add_special_tokens=False))[:-1]
+
+
+def walk_masks(req: Request, tokens: list[int], width: int, first_position: int) -> tuple[np.ndarray, list[bool], int | None]:
+    """The row's masks before each of ``tokens`` and after the last: mask j is the automaton's
+    after taking tokens[:j], with the validators' bans at output position ``first_position + j``.
+    The walk stops after a token the automaton refuses, or before a position that allows nothing;
+    the automaton is left as it was. Returns (the masks filled, whether each token walked was
+    taken, the first position that allows nothing or None). Speculative drafts and jump-forward's
+    forced tokens are both verified over these masks."""
+    matcher = req.matcher
+    assert matcher is not None
+    masks = np.full((len(tokens) + 1, width), ALL_ALLOWED, dtype=np.int32)
+    takes: list[bool] = []
+    dead_at = None
+    filled = walked = 0
+    for j in range(len(tokens) + 1):
+        matcher.fill_bitmask(masks, j)
+        banned = req.bans.get(first_position + j)
+        if banned:
+            ban_tokens(masks[j], banned)
+        if not masks[j].any():
+            dead_at = j
+            break
+        filled = j + 1
+        if j == len(tokens):
+            break
+        took = bool(matcher.accept(tokens[j]))
+        takes.append(took)
+        if not took:
+            break
+        walked += 1
+    if walked:
+        matcher.rollback(walked)
+    return masks[:filled], takes, dead_at

@@ -26,7 +26,7 @@ from radixgen.constraints import Grammar
 from radixgen.engine.constrained import ConstrainedDecoding
 from radixgen.engine.model_runner import ModelRunner
 from radixgen.engine.output import FinishReason, GenerationOutput, RequestOutput, StepDeltas
-from radixgen.engine.params import SamplingParams
+from radixgen.engine.params import SamplingParams, context_room
 from radixgen.engine.request import Request
 from radixgen.engine.sampler import Sampler, SamplingBatchCache
 from radixgen.engine.scheduler import Scheduler
@@ -56,18 +56,10 @@ class _Collector:
             self.final = out
 
     def result(self, req: Request) -> GenerationOutput:
-        assert self.final is not None and self.final.finish_reason is not None
-        assert self.final.output_ids is not None and self.final.text is not None
+        assert self.final is not None
         params = req.params
-        return GenerationOutput(
-            request_id=self.final.request_id, text=self.final.text, token_ids=self.final.output_ids,
-            finish_reason=self.final.finish_reason, prompt_tokens=self.final.prompt_tokens,
-            completion_tokens=self.final.completion_tokens, cached_tokens=self.final.cached_tokens,
-            error=self.final.error, user_error=self.final.user_error, logprobs=list(req.output_logprobs) if params.logprobs else None,
-            top_logprobs=list(req.output_top_logprobs) if params.top_logprobs else None,
-            prompt_logprobs=self.final.prompt_logprobs, shortened=self.final.shortened,
-            constraint_warnings=self.final.constraint_warnings,
-        )
+        return GenerationOutput.of_final(self.final, list(req.output_logprobs) if params.logprobs else None,
+                                         list(req.output_top_logprobs) if params.top_logprobs else None)
 
 
 class Engine:
@@ -374,12 +366,7 @@ class Engine:
         cap = self.config.max_new_tokens_limit
         if cap is not None and params.max_new_tokens > cap:
             raise InvalidParamsError(f"max_new_tokens is {params.max_new_tokens}; the limit (max_new_tokens_limit) is {cap}")
-        limit = self.runner.pool.max_context_len
-        if len(prompt_ids) + params.max_new_tokens > limit:
-            raise PromptTooLongError(
-                f"prompt has {len(prompt_ids)} tokens and max_new_tokens is {params.max_new_tokens}; together they "
-                f"must fit the context of {limit} tokens (max_context_len): shorten the prompt or lower max_new_tokens"
-            )
+        context_room(len(prompt_ids), self.runner.pool.max_context_len, params.max_new_tokens)
         spec = params.constraint
         if spec is not None and spec.kind in ("json_schema", "structural"):
             what = "json_schema" if spec.kind == "json_schema" else "the structural constraint (its schemas)"

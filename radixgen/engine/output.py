@@ -10,7 +10,7 @@ process.
 The engine process sends each step's outputs to the HTTP front in one message. As objects that
 cost one ``RequestOutput`` per running request per step on the engine thread, and pickling a
 dataclass per request: at a thousand streams, several times the scheduler's own work. The
-plain decode rows (results' batched lane) put their deltas here instead, as plain lists that
+plain decode rows (the step applier's batched lane) put their deltas here instead, as plain lists that
 pickle in one pass, and the front builds the objects on its side (``DeltaReader``). Rows whose
 text the consumer makes (``Request.detokenize`` False) arrive as whole blocks gathered from the
 row table; rows with text made in the engine are appended one by one.
@@ -91,6 +91,20 @@ class GenerationOutput:
     constraint_warnings: list[str] | None = None
     """What the constraint's grammar did not enforce (a lenient compile's dropped keywords);
     validators checked it instead."""
+
+    @classmethod
+    def of_final(cls, final: RequestOutput, logprobs: list[float] | None,
+                 top_logprobs: list[list[tuple[int, float]]] | None) -> GenerationOutput:
+        """A request's final ``RequestOutput`` as the blocking front returns it, with the whole
+        output's log-probabilities (the final output carries only its last step's)."""
+        assert final.finished and final.finish_reason is not None
+        assert final.output_ids is not None and final.text is not None
+        return cls(request_id=final.request_id, text=final.text, token_ids=final.output_ids,
+                   finish_reason=final.finish_reason, prompt_tokens=final.prompt_tokens,
+                   completion_tokens=final.completion_tokens, cached_tokens=final.cached_tokens, error=final.error,
+                   user_error=final.user_error, logprobs=logprobs, top_logprobs=top_logprobs,
+                   prompt_logprobs=final.prompt_logprobs, shortened=final.shortened,
+                   constraint_warnings=final.constraint_warnings)
 
 
 Columns = tuple[int | None, list[str], list[int], list[int]]

@@ -15,7 +15,7 @@ from radixgen.constraints.spec import (
     schema_spec,
 )
 from radixgen.constraints.structural import structural_spec
-from radixgen.errors import InvalidParamsError
+from radixgen.errors import InvalidParamsError, PromptTooLongError
 
 MAX_TOP_LOGPROBS = 20
 
@@ -184,3 +184,18 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
+
+
+def context_room(prompt_len: int, max_context_len: int, max_tokens: int | None = None,
+                 name: str = "max_new_tokens") -> int:
+    """Tokens the context leaves after a ``prompt_len``-token prompt; refused with what to change
+    when it leaves none, or fewer than ``max_tokens`` (the field called ``name`` in the error)."""
+    room = max_context_len - prompt_len
+    if room < 1:
+        raise PromptTooLongError(f"the prompt has {prompt_len} tokens; the context holds {max_context_len} "
+                                 "(max_context_len): shorten the prompt")
+    if max_tokens is not None and max_tokens > room:
+        raise PromptTooLongError(
+            f"{name} is {max_tokens} but only {room} tokens fit after the {prompt_len}-token prompt "
+            f"(context {max_context_len}, max_context_len): lower {name} or shorten the prompt")
+    return room

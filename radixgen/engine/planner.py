@@ -150,7 +150,7 @@ class BatchPlanner:
         self._decode_arrays: tuple[int, list[Request], np.ndarray, np.ndarray] | None = None
         self.next_decode_inputs: tuple[int, np.ndarray] | None = None
         """(running_version, tokens): the last decode step's tokens, each what its request
-        appended (results' batched lane took every row): the next plan's inputs if it is a
+        appended (the step applier's batched lane took every row): the next plan's inputs if it is a
         decode step of the same batch (read, and dropped, by the next ``schedule``)."""
         self.chunked: Request | None = None
         """The request whose prompt is part-way through chunked prefill (holds KV, not running)."""

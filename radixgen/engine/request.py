@@ -109,6 +109,11 @@ class Request:
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def tokens_left(self, max_context_len: int) -> int:
+        """Output tokens the request may still generate: what max_new_tokens and the context
+        leave."""
+        return min(self.params.max_new_tokens - len(self.output_ids), max_context_len - self.seq_len)
+
     @property
     def is_finished(self) -> bool:
         return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)

@@ -39,7 +39,7 @@ class RowParams:
         self.ignore_eos = np.zeros(num_rows, dtype=bool)
         self.plain = np.zeros(num_rows, dtype=bool)
         """Unconstrained, no stop strings or stop token ids, no log-probabilities: a decode
-        token only appends, detokenizes and streams (results' batched lane)."""
+        token only appends, detokenizes and streams (the step applier's batched lane)."""
         self.cached_tokens = np.zeros(num_rows, dtype=np.int64)
         self.request_id = np.full(num_rows, None, dtype=object)
         self.sink = np.full(num_rows, -1, dtype=np.int64)
@@ -76,6 +76,10 @@ class RowParams:
         deltas = req.deltas
         self.sink[row] = self._sink_index(deltas) if deltas is not None and req.stream and not req.detokenize else -1
         self.owner[row] = req
+
+    def end_at(self, rows: np.ndarray, max_context_len: int) -> np.ndarray:
+        """[B] the sequence length at which each row ends: its max_new_tokens, or the context."""
+        return np.minimum(self.prompt_len[rows] + self.max_new[rows], max_context_len)
 
     def release(self, row: int) -> None:
         self.owner[row] = None

@@ -359,16 +359,23 @@ class Sampler:
     def _result(self, logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         chosen_lp = top_ids = top_lp = None
         if batch.want_logprobs or batch.max_top_logprobs:
-            # Log-probabilities of the model's distribution (after penalties, before temperature).
-            logprobs = torch.log_softmax(logits, dim=-1)
-            chosen_lp = logprobs.gather(1, token_ids[:, None]).squeeze(1)
-            if batch.max_top_logprobs:
-                top = torch.topk(logprobs, batch.max_top_logprobs, dim=-1)
-                top_ids, top_lp = top.indices, top.values
+            # of the model's distribution: after penalties, before temperature
+            chosen_lp, top_ids, top_lp = logprob_parts(logits, token_ids, batch.max_top_logprobs)
         # the step's one read-back: everything the host needs, behind one event
         ids, lp, best_ids, best_lp = ReadBack([token_ids, chosen_lp, top_ids, top_lp]).wait()
         assert ids is not None
         return SampleResult(ids, lp, best_ids, best_lp)
+
+
+def logprob_parts(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[torch.Tensor | None]:
+    """On the device: each row's log-probability of its token, and its ``top`` most likely (ids,
+    log-probabilities; None when ``top`` is 0)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    if not top or not logits.shape[0]:
+        return [chosen, None, None]
+    best = torch.topk(logprobs, top, dim=-1)
+    return [chosen, best.indices, best.values]
 
 
 def sample_rows(logits: torch.Tensor, batch: SamplingBatch, idx: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@
   lock, alloc with eviction, release into the tree, the ownership invariant);
 - ``planner.BatchPlanner``: the waiting queue and the running set, and each step's plan
   (prefill / mixed / decode, chunking, admission under the decode reserve, retraction);
-- ``results.ResultProcessor``: a step's sampled tokens applied (outputs, stops, jump-forward,
-  rollback, finishing).
+- ``apply.StepApplier``: a step's sampled tokens applied to its requests (fast lanes,
+  verdicts, rollback, finishing), each request's tokens appended by ``append.TokenAppender``.
 
 ``Scheduler`` is what the engine loop and the simulator hold: it admits and aborts requests and
 runs the plan / apply cycle over the three.
@@ -19,14 +19,14 @@ from typing import Any
 import numpy as np
 
 from radixgen.config import EngineConfig
+from radixgen.engine.append import TokenAppender
+from radixgen.engine.apply import StepApplier
 from radixgen.engine.kv_cache import KVCacheManager
 from radixgen.engine.kv_pool import KVPool
 from radixgen.engine.output import FinishReason, RequestOutput
-from radixgen.engine.outputs import OutputProcessor
 from radixgen.engine.plan import StepPlan
 from radixgen.engine.planner import BatchPlanner
 from radixgen.engine.request import Request
-from radixgen.engine.results import ResultProcessor
 from radixgen.engine.sampler import SampleResult
 from radixgen.engine.speculative import Verdict
 from radixgen.engine.stats import SchedulerStats, StepLog
@@ -40,14 +40,14 @@ class Scheduler:
         self.config = config
         self.kv = KVCacheManager(pool, use_cache=not config.disable_radix_cache)
         self.requests: dict[str, Request] = {}
-        self.outputs = OutputProcessor(tokenizer, eos_token_ids, pool.max_context_len, jump_forward=config.jump_forward,
+        self.appender = TokenAppender(tokenizer, eos_token_ids, pool.max_context_len, jump_forward=config.jump_forward,
                                        steering=steering)
         self.stats = SchedulerStats(event_log=config.event_log)
         self._log = StepLog()
         self.planner = BatchPlanner(config, self.kv, self.stats, self._log,
                                     finish_too_long=self._end_at_length)
         self.planner.drafter.tokenizer = tokenizer  # a constraint's forced text is drafted as its tokens
-        self.results = ResultProcessor(config, self.kv, self.planner, self.outputs, self.stats, self._log,
+        self.applier = StepApplier(config, self.kv, self.planner, self.appender, self.stats, self._log,
                                        self.requests)
 
     @property
@@ -65,7 +65,7 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
         self.requests[req.request_id] = req
-        self.outputs.add(req)
+        self.appender.add(req)
         if req.params.speculative:
             self.planner.drafter.requested = True
         self.planner.waiting.append(req)
@@ -75,7 +75,7 @@ class Scheduler:
         if req is None:
             return False
         self.planner.discard(req)
-        self.results.finish(req, reason, error=error)
+        self.applier.finish(req, reason, error=error)
         return True
 
     def _end_at_length(self, req: Request) -> None:
@@ -133,11 +133,11 @@ class Scheduler:
         handed to callbacks (finals always)."""
         if plan.record is not None:
             self._log.current = plan.record
-        return self.results.process_results(plan, result, forward_s, verdicts)
+        return self.applier.process_results(plan, result, forward_s, verdicts)
 
     def fail_step(self, plan: StepPlan, error: str) -> None:
         """An internal fault during the step: end its requests with an error, keep serving."""
-        self.results.fail_step(plan, error)
+        self.applier.fail_step(plan, error)
 
     def held_by_requests(self) -> int:
         """KV slots owned by requests (their cached prefixes belong to the tree)."""

@@ -34,12 +34,11 @@ import torch
 
 from radixgen.config import EngineConfig
 from radixgen.constraints import apply_bitmask
-from radixgen.constraints.mask import ALL_ALLOWED, ban_tokens
-from radixgen.engine.constrained import forced_token_ids
+from radixgen.engine.constrained import forced_token_ids, walk_masks
 from radixgen.engine.ngram import DraftState, NgramIndex
 from radixgen.engine.plan import StepKind, StepPlan
 from radixgen.engine.request import Request
-from radixgen.engine.sampler import PenaltyState, SamplingBatch, sample_rows
+from radixgen.engine.sampler import PenaltyState, SamplingBatch, logprob_parts, sample_rows
 from radixgen.staging import ReadBack, upload
 
 # After this many drafted tokens, a request whose drafts were accepted less often than they
@@ -142,8 +141,7 @@ class NgramDrafter:
             if state.gave_up or len(req.output_ids) < req.params.min_new_tokens:
                 continue
             # the newest token and the drafts must fit the request's budget and the context
-            room = min(state.length, budget, req.params.max_new_tokens - len(req.output_ids) - 1,
-                       self.max_context_len - req.seq_len - 1)
+            room = min(state.length, budget, req.tokens_left(self.max_context_len) - 1)
             if room <= 0:
                 continue
             tokens = _current_tokens(req, state)
@@ -249,13 +247,14 @@ def verify(plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch, penalties
             positions = penalties.apply_positions(positions, batch, i, state.draft)
         positions = batch.bias_positions(positions, i)
         if req.matcher is not None:
-            check.walk, masks = _walk_automaton(req, state.draft, bitmask.shape[1], dead_end)
+            masks, takes, dead_at = walk_masks(req, state.draft, bitmask.shape[1], len(req.output_ids))
+            check.walk = _Walk(takes, dead_at)
             first = positions[:1]
             first_choice = first.argmax(dim=-1)
             check.first = len(device_parts)
             device_parts.append(first_choice)
             if top is not None:
-                device_parts += _logprob_parts(first, first_choice, top)
+                device_parts += logprob_parts(first, first_choice, top)
             n = len(masks)
             if n:
                 (device_masks,) = upload([masks], positions.device)
@@ -270,7 +269,7 @@ def verify(plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch, penalties
             choices = positions.new_zeros(0, dtype=torch.int64)
         device_parts.append(choices)
         if top is not None:
-            device_parts += _logprob_parts(positions, choices, top)
+            device_parts += logprob_parts(positions, choices, top)
     host = ReadBack(device_parts).wait()
     last_choice, extra_choice = host[0], host[1]
     assert last_choice is not None and extra_choice is not None
@@ -278,16 +277,6 @@ def verify(plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch, penalties
     for check in checks:
         verdicts[check.index] = check.verdict(host, last_choice, extra_choice, plan.requests[check.index], dead_end)
     return logits[:rows], verdicts
-
-
-def _logprob_parts(positions: torch.Tensor, tokens: torch.Tensor, top: int) -> list[torch.Tensor | None]:
-    """On the device: each position's log-probability of its token, and its top ``top`` (ids, values)."""
-    logprobs = torch.log_softmax(positions.float(), dim=-1)
-    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-    if not top or not positions.shape[0]:
-        return [chosen, None, None]
-    best = torch.topk(logprobs, top, dim=-1)
-    return [chosen, best.indices, best.values]
 
 
 @dataclass
@@ -298,38 +287,6 @@ class _Walk:
     """Whether the automaton took draft[j] after the draft tokens before it."""
     dead_at: int | None
     """The first position whose mask allows nothing (None: none)."""
-
-
-def _walk_automaton(req: Request, draft: list[int], width: int, dead_end: str) -> tuple[_Walk, np.ndarray]:
-    """The masks of the row's positions, each after the draft tokens before it: position j's
-    mask is the automaton's after taking draft[:j], with the bans at that output position. The
-    walk stops after a draft token the automaton refuses (the verdict stops there) or before a
-    position that allows nothing; the automaton is left as it was."""
-    matcher = req.matcher
-    assert matcher is not None
-    masks = np.full((len(draft) + 1, width), ALL_ALLOWED, dtype=np.int32)
-    takes: list[bool] = []
-    dead_at = None
-    filled = walked = 0
-    for j in range(len(draft) + 1):
-        matcher.fill_bitmask(masks, j)
-        banned = req.bans.get(len(req.output_ids) + j)
-        if banned:
-            ban_tokens(masks[j], banned)
-        if not masks[j].any():
-            dead_at = j
-            break
-        filled = j + 1
-        if j == len(draft):
-            break
-        took = bool(matcher.accept(draft[j]))
-        takes.append(took)
-        if not took:
-            break
-        walked += 1
-    if walked:
-        matcher.rollback(walked)
-    return _Walk(takes, dead_at), masks[:filled]
 
 
 @dataclass

@@ -147,7 +147,7 @@ class StepPipeline:
 
     def _apply(self, plan: StepPlan, outcome: StepOutcome) -> None:
         self.scheduler.process_results(plan, outcome.result, forward_s=outcome.forward_s, verdicts=outcome.verdicts)
-        replaced = self.scheduler.outputs.replaced_samples
+        replaced = self.scheduler.appender.replaced_samples
         for req in replaced:  # their sampled token was not the one kept: recount from the output
             self._queue_penalty_reset(req)
         replaced.clear()

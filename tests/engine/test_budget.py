@@ -172,14 +172,14 @@ def test_a_scalar_root_that_fails_its_schema_is_never_a_success(real_engine: Eng
 
 def test_a_fault_applying_one_requests_result_fails_it_alone(make_engine: Callable[..., Engine]) -> None:
     engine = make_engine()
-    append = engine.scheduler.outputs.append_token
+    append = engine.scheduler.appender.append_token
 
     def faulty(req: Any, *args: Any, **kwargs: Any) -> Any:
         if req.params.seed == 13:
             raise KeyError("boom")
         return append(req, *args, **kwargs)
 
-    engine.scheduler.outputs.append_token = faulty  # type: ignore[method-assign]
+    engine.scheduler.appender.append_token = faulty  # type: ignore[method-assign]
     outs = engine.generate(["a", "b"], [SamplingParams(max_new_tokens=5, seed=13), SamplingParams(max_new_tokens=5, seed=1)])
     assert outs[0].finish_reason is FinishReason.ERROR and "KeyError" in (outs[0].error or "")
     assert outs[1].finish_reason is FinishReason.LENGTH and len(outs[1].token_ids) == 5

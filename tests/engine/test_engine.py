@@ -41,13 +41,13 @@ def test_stop_token_id_ends_generation_at_first_occurrence(tiny_engine: Engine) 
 def test_eos_stops_unless_ignored(tiny_engine: Engine) -> None:
     full = tiny_engine.generate(PROMPTS[2], greedy(16)).token_ids
     eos = full[4]
-    old = tiny_engine.scheduler.outputs.eos_token_ids
-    tiny_engine.run_on_loop(lambda: setattr(tiny_engine.scheduler.outputs, "eos_token_ids", frozenset({eos})))
+    old = tiny_engine.scheduler.appender.eos_token_ids
+    tiny_engine.run_on_loop(lambda: setattr(tiny_engine.scheduler.appender, "eos_token_ids", frozenset({eos})))
     try:
         stopped = tiny_engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=16, temperature=0))
         ignored = tiny_engine.generate(PROMPTS[2], greedy(16))
     finally:
-        tiny_engine.run_on_loop(lambda: setattr(tiny_engine.scheduler.outputs, "eos_token_ids", old))
+        tiny_engine.run_on_loop(lambda: setattr(tiny_engine.scheduler.appender, "eos_token_ids", old))
     assert stopped.finish_reason is FinishReason.STOP
     assert stopped.token_ids == full[: full.index(eos) + 1]
     assert ignored.token_ids == full
@@ -156,7 +156,7 @@ def test_stream_deltas_add_up_and_early_exit_aborts(tiny_engine: Engine) -> None
 
 
 def test_bad_requests_fail_before_anything_is_allocated(tiny_engine: Engine) -> None:
-    with pytest.raises(PromptTooLongError, match="shorten the prompt or lower max_new_tokens"):
+    with pytest.raises(PromptTooLongError, match="lower max_new_tokens or shorten the prompt"):
         tiny_engine.generate([5] * 1000, SamplingParams(max_new_tokens=100))
     with pytest.raises(InvalidParamsError, match="token ids must be integers"):
         tiny_engine.generate([5, -1, 7])

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from radixgen import EngineConfig, FinishReason, SamplingParams
+from radixgen.engine.apply import StepApplier
 from radixgen.engine.detokenizer import ConsumerText
 from radixgen.engine.kv_pool import KVPool
 from radixgen.engine.output import DeltaReader, RequestOutput, StepDeltas
 from radixgen.engine.plan import StepKind, StepPlan
 from radixgen.engine.request import Request
-from radixgen.engine.results import ResultProcessor
 from radixgen.engine.sampler import SampleResult, SamplingBatch, SamplingBatchCache
 from radixgen.engine.scheduler import Scheduler
 
@@ -59,7 +59,7 @@ def _run(tokenizer: Any, *, lane: bool, monkeypatch: pytest.MonkeyPatch, kv_toke
     (the HTTP front's way)."""
     with monkeypatch.context() as m:
         if not lane:
-            m.setattr(ResultProcessor, "_plain_decode_rows", lambda self, plan, result, verdicts: None)
+            m.setattr(StepApplier, "_plain_decode_rows", lambda self, plan, result, verdicts: None)
         config = EngineConfig(max_running_requests=16, kv_cache_tokens=kv_tokens, max_context_len=1024,
                               chunked_prefill_size=64, max_prefill_tokens=256)
         pool = KVPool(num_slots=kv_tokens, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16,
@@ -177,15 +177,15 @@ def test_a_batch_of_block_streams_steps_whole_and_gives_the_per_request_outputs(
     blocks = [r for r in REQUESTS if r[3] and not r[1].engine_needs_text and not r[1].logprobs]
     assert {name for name, *_ in blocks} >= {"short", "eos", "late"}
     steady_steps = [0]
-    original = ResultProcessor._steady_step
+    original = StepApplier._steady_step
 
-    def counted(self: ResultProcessor, plan: StepPlan, result: SampleResult) -> bool:
+    def counted(self: StepApplier, plan: StepPlan, result: SampleResult) -> bool:
         took = original(self, plan, result)
         steady_steps[0] += took
         return took
 
     reference, _ = _run(tokenizer, lane=False, monkeypatch=monkeypatch, requests=blocks)
-    monkeypatch.setattr(ResultProcessor, "_steady_step", counted)
+    monkeypatch.setattr(StepApplier, "_steady_step", counted)
     whole, _ = _run(tokenizer, lane=True, monkeypatch=monkeypatch, consumer_text=True, requests=blocks)
     assert whole == reference
     assert steady_steps[0] > 20, steady_steps

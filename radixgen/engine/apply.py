@@ -1,4 +1,4 @@
-"""Result processing: what a step's sampled tokens mean for each of its requests.
+"""Applying a step: what its sampled tokens mean for each of its requests.
 
 A token is appended (with the constraint's forced text after it, jump-forward), a finished
 request gives its KV to the tree and its final output to the callback, a prefill's chunk is
@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from radixgen.config import EngineConfig
+from radixgen.engine.append import TokenAppender
 from radixgen.engine.kv_cache import KVCacheManager
 from radixgen.engine.output import Columns, FinishReason, RequestOutput, StepDeltas
-from radixgen.engine.outputs import OutputProcessor
 from radixgen.engine.plan import StepKind, StepPlan
 from radixgen.engine.planner import BatchPlanner
 from radixgen.engine.request import Request, RequestStatus
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _SteadyBatch:
-    """A decode batch's constants for ``ResultProcessor._steady_step`` (``sink`` None: the
+    """A decode batch's constants for ``StepApplier._steady_step`` (``sink`` None: the
     batch is not one whose every row streams plain deltas into one sink)."""
 
     version: int
@@ -52,19 +52,30 @@ class _SteadyBatch:
             return cls(plan.batch_version, None)
         prompt_len = table.prompt_len[rows]
         return cls(plan.batch_version, table.sinks[int(sinks[0])],
-                   end_at=np.minimum(prompt_len + table.max_new[rows], max_context_len),
+                   end_at=table.end_at(rows, max_context_len),
                    stops_at_eos=~table.ignore_eos[rows], prompt_len=prompt_len,
                    columns=(plan.batch_version, table.request_id[rows].tolist(), prompt_len.tolist(),
                             table.cached_tokens[rows].tolist()))
 
 
-class ResultProcessor:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, planner: BatchPlanner, outputs: OutputProcessor,
+def _ending(tokens: np.ndarray, seq_len: np.ndarray, end_at: np.ndarray, stops_at_eos: np.ndarray,
+            eos_ids: np.ndarray) -> np.ndarray:
+    """[B] bool: the decode rows their token ends: the sequence reaches its end (max tokens or the
+    context; ``seq_len`` counts the token), or it is an EOS id and the row stops at EOS. (A
+    request's stop ids and stop strings are checked on the per-request path, ``append``.)"""
+    ends = seq_len >= end_at
+    for token in eos_ids.tolist():  # one to three ids: cheaper than np.isin's sort
+        ends |= (tokens == token) & stops_at_eos
+    return ends
+
+
+class StepApplier:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, planner: BatchPlanner, appender: TokenAppender,
                  stats: SchedulerStats, log: StepLog, requests: dict[str, Request]) -> None:
         self.config = config
         self.kv = kv
         self.planner = planner
-        self.outputs = outputs
+        self.appender = appender
         self.stats = stats
         self.log = log
         self.requests = requests
@@ -132,15 +143,12 @@ class ResultProcessor:
             return False
         steady = self._steady
         if steady is None or steady.version != version:
-            steady = self._steady = _SteadyBatch.of(plan, self.kv.row_params, self.outputs.max_context_len)
+            steady = self._steady = _SteadyBatch.of(plan, self.kv.row_params, self.appender.max_context_len)
         if steady.sink is None:
             return False
         tokens = result.token_ids
         seq_len = plan.prefix_lens + 2  # with the token this step appends
-        ends = seq_len >= steady.end_at
-        for token in self.outputs.eos_array.tolist():
-            ends |= (tokens == token) & steady.stops_at_eos
-        if ends.any():
+        if _ending(tokens, seq_len, steady.end_at, steady.stops_at_eos, self.appender.eos_array).any():
             return False
         token_list = tokens.tolist()
         for req, token in zip(plan.requests, token_list, strict=True):
@@ -165,11 +173,8 @@ class ResultProcessor:
         rows, tokens = plan.rows[start:], result.token_ids[start:]
         table = self.kv.row_params
         seq_len = plan.prefix_lens[start:] + 2  # with the token this step appends
-        ends = (seq_len - table.prompt_len[rows] >= table.max_new[rows]) | (seq_len >= self.outputs.max_context_len)
-        eos = np.zeros(len(tokens), dtype=bool)
-        for token in self.outputs.eos_array.tolist():  # one to three ids: cheaper than np.isin's sort
-            eos |= tokens == token
-        ends |= eos & ~table.ignore_eos[rows]
+        ends = _ending(tokens, seq_len, table.end_at(rows, self.appender.max_context_len), ~table.ignore_eos[rows],
+                       self.appender.eos_array)
         plain = np.zeros(len(plan.requests), dtype=bool)
         plain[start:] = table.plain[rows] & ~ends
         return plain
@@ -193,12 +198,12 @@ class ResultProcessor:
                 output_ids = req.output_ids
                 output_ids.append(token)
                 req.num_emitted = len(output_ids)  # the block below streams it
-            self.outputs.gather_blocks(plan, block, tokens, sinks[in_blocks], table)
+            self.appender.gather_blocks(plan, block, tokens, sinks[in_blocks], table)
             indices = indices[~in_blocks]
         rows = indices.tolist()
         for i in rows:
             requests[i].num_computed += 1
-        failed = self.outputs.append_plain(requests, rows, token_ids, outputs)
+        failed = self.appender.append_plain(requests, rows, token_ids, outputs)
         for req, e in failed:
             logger.error("streaming %s's output failed: %s: %s", req.request_id, type(e).__name__, e)
             out = self._fail_request(req, f"internal error: {type(e).__name__}: {e}")
@@ -209,7 +214,7 @@ class ResultProcessor:
                       num_prefill: int, allow_jump: bool) -> RequestOutput | None:
         if i < num_prefill and not self._after_prefill(req, plan, i, token_ids):
             return None  # a non-final chunk: nothing to sample yet
-        reason = self.outputs.append_token(req, token_ids[i], result, i, allow_jump=allow_jump)
+        reason = self.appender.append_token(req, token_ids[i], result, i, allow_jump=allow_jump)
         return self._after_append(req, reason)
 
     def _after_append(self, req: Request, reason: FinishReason | None) -> RequestOutput | None:
@@ -222,7 +227,7 @@ class ResultProcessor:
         if req.pending_extend:
             self._requeue_for_extend(req)
             return None
-        return self.outputs.emit(req, final=False)
+        return self.appender.emit(req, final=False)
 
     def _apply_verdict(self, req: Request, plan: StepPlan, i: int, result: SampleResult, verdict: Verdict,
                        allow_jump: bool) -> RequestOutput | None:
@@ -240,13 +245,13 @@ class ResultProcessor:
             last = j == len(tokens) - 1
             if verdict.logprobs is not None:  # the batch's row holds only the last position's
                 req.sample_override = verdict.logprobs[j]
-            reason = self.outputs.append_token(req, token, result, i, allow_jump=allow_jump and last)
+            reason = self.appender.append_token(req, token, result, i, allow_jump=allow_jump and last)
             if reason is not None or req.pending_rollback is not None:
                 break
             if not last and (len(req.output_ids) != start + j + 1 or req.output_ids[-1] != token):
                 break  # steering put other tokens in its place: the rest of the draft no longer follows
         if req.params.has_penalties:  # the sampler counted its own sample of the row, not these tokens
-            self.outputs.replaced_samples.append(req)
+            self.appender.replaced_samples.append(req)
         self.planner.drafter.record(req, len(fed), len(verdict.accepted))
         appended = req.output_ids[start:]
         valid = 0  # drafts whose K/V this step computed and that are now output
@@ -269,7 +274,7 @@ class ResultProcessor:
         mismatch, req.forced_mismatch = req.forced_mismatch, None
         if mismatch is not None:  # the model would not have produced the forced tokens from here
             keep, token_ids[i], req.sample_override = mismatch
-            self.outputs.replaced_samples.append(req)  # the sampler counted the discarded sample
+            self.appender.replaced_samples.append(req)  # the sampler counted the discarded sample
             self._drop_forced_tail(req, keep)
         if self.kv.use_cache:
             self.kv.cache_computed_prefix(req)
@@ -292,7 +297,7 @@ class ResultProcessor:
         del req.output_logprobs[keep:]
         del req.output_top_logprobs[keep:]
         req.num_emitted = min(req.num_emitted, keep)
-        self.outputs.rewind(req, keep)
+        self.appender.rewind(req, keep)
 
     def _requeue_for_extend(self, req: Request) -> None:
         """Jump-forward added several tokens at once: their KV is computed by one prefill (extend)
@@ -328,7 +333,7 @@ class ResultProcessor:
         else:  # the cached prefix reaches past the rollback point: keep the tree's copy, drop ours
             self.kv.release(req, cache=False)
         replacement, req.replacement_text = req.replacement_text, None
-        if replacement is not None and self.outputs.force_text(req, replacement):
+        if replacement is not None and self.appender.force_text(req, replacement):
             # the requeued prefill computes the written tokens' KV and samples what follows
             logger.info("%s: wrote %r in place of a value its validators rejected %s", req.request_id, replacement, why)
             self.stats.num_searched_values += 1
@@ -345,11 +350,11 @@ class ResultProcessor:
         req.status = RequestStatus.ABORTED if reason in (FinishReason.ABORT, FinishReason.ERROR) else RequestStatus.FINISHED
         req.finish_reason = reason
         req.error = error or req.error
-        out = self.outputs.emit(req, final=True)
+        out = self.appender.emit(req, final=True)
         assert out is not None, "a final output is always emitted"
         self.stats.num_shortened += out.shortened
         self.stats.num_constraint_violations += reason is FinishReason.CONSTRAINT_VIOLATION
-        self.outputs.remove(req)
+        self.appender.remove(req)
         del self.requests[req.request_id]
         return out
 

@@ -1,4 +1,5 @@
-"""What a sampled token means for its request: stop checks, text deltas, output callbacks."""
+"""Appending a request's tokens: stop checks, text deltas, jump-forward, budget steering, the
+validators' rejections, output callbacks."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from radixgen.engine.sampler import SampleResult
 from radixgen.engine.steering import BudgetSteering
 
 
-class OutputProcessor:
+class TokenAppender:
     def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...], max_context_len: int,
                  jump_forward: bool = False, steering: BudgetSteering | None = None) -> None:
         self.tokenizer = tokenizer
@@ -69,7 +70,7 @@ class OutputProcessor:
             return self._complete(req)  # the automaton accepted its stop token
         steer = None
         if req.budget is not None and self.steering is not None:
-            steer = self.steering.after_accept(req, token, self._tokens_left(req))
+            steer = self.steering.after_accept(req, token, req.tokens_left(self.max_context_len))
         if steer is not None:
             self.replaced_samples.append(req)  # the sampler counted the replaced token for penalties
             req.sample_override = None  # the sample it described is not kept
@@ -172,10 +173,6 @@ class OutputProcessor:
                 list(zip(result.top_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist(), strict=True))
             )
 
-    def _tokens_left(self, req: Request) -> int:
-        """Tokens the request may still generate, counting the one being appended."""
-        return min(req.params.max_new_tokens - len(req.output_ids), self.max_context_len - req.seq_len)
-
     def _stop_here(self, req: Request) -> bool:
         """At the end of the budget (or of steering), end the output if it is complete: the
         automaton takes its stop token without a step spent sampling the only allowed token."""
@@ -208,7 +205,7 @@ class OutputProcessor:
         forced = matcher.forced_string()
         if not forced or self.tokenizer is None:
             return [token]
-        room = req.params.max_new_tokens - len(req.output_ids) - 1
+        room = req.tokens_left(self.max_context_len) - 1  # after the sampled token
         ids = forced_token_ids(self.tokenizer, forced)[:room]
         if len(ids) < 2:
             return [token]
@@ -266,7 +263,7 @@ class OutputProcessor:
             return False
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         keep = len(req.output_ids)
-        if not ids or len(ids) >= req.params.max_new_tokens - keep:
+        if not ids or len(ids) >= req.tokens_left(self.max_context_len):
             return False
         if not matcher.accept_all(ids):
             return False
