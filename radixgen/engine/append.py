@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from radixgen.constraints.events import Rejection
+from radixgen.constraints.state import ConstraintState, Rollback
 from radixgen.engine.constrained import forced_token_ids
 from radixgen.engine.detokenizer import IncrementalDetokenizer
 from radixgen.engine.output import FinishReason, RequestOutput
@@ -53,12 +54,13 @@ class TokenAppender:
         the request ends now, or None to go on."""
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        matcher = req.matcher
-        if matcher is None:  # the common, unconstrained case
+        state = req.constraint
+        if state is None:  # the common, unconstrained case
             self._record_logprobs(req, result, row)
             return self._append_one(req, token)
-        if req.dead_end is not None:  # the caller's constraint cannot go on: say so, do not guess
-            req.error, req.user_error = req.dead_end, True
+        matcher = state.matcher
+        if state.dead_end is not None:  # the caller's constraint cannot go on: say so, do not guess
+            req.error, req.user_error = state.dead_end, True
             return FinishReason.ERROR
         if not matcher.accept(token):
             req.output_ids.append(token)
@@ -69,7 +71,7 @@ class TokenAppender:
             req.output_ids.append(token)
             return self._complete(req)  # the automaton accepted its stop token
         steer = None
-        if req.budget is not None and self.steering is not None:
+        if state.budget is not None and self.steering is not None:
             steer = self.steering.after_accept(req, token, req.tokens_left(self.max_context_len))
         if steer is not None:
             self.replaced_samples.append(req)  # the sampler counted the replaced token for penalties
@@ -80,21 +82,21 @@ class TokenAppender:
             self._record_logprobs(req, result, row)
             tokens = self._jump_forward(req, token) if self.jump_forward and allow_jump else [token]
             forced_from = 1
-            if len(tokens) > 1 and req.budget is not None and self.steering is not None:
+            if len(tokens) > 1 and state.budget is not None and self.steering is not None:
                 self.steering.follow_forced(req, tokens[1:])
         for i, t in enumerate(tokens):
             if i >= forced_from:
                 self._record_forced_logprobs(req, t)
             reason = self._append_one(req, t)
-            if reason is not None or req.pending_rollback is not None:
+            if reason is not None or state.pending_rollback is not None:
                 if i + 1 < len(tokens):
                     matcher.rollback(len(tokens) - 1 - i)  # forced tokens never appended
-                req.forced_pending = 0
+                state.forced_pending = 0
                 return self._complete(req) if reason is FinishReason.LENGTH and self._stop_here(req) else reason
         if steer is not None and steer.finishes and self._stop_here(req):
             return self._complete(req)
         if len(tokens) > 1:
-            req.pending_extend = True
+            state.pending_extend = True
         return None
 
     @staticmethod
@@ -176,8 +178,8 @@ class TokenAppender:
     def _stop_here(self, req: Request) -> bool:
         """At the end of the budget (or of steering), end the output if it is complete: the
         automaton takes its stop token without a step spent sampling the only allowed token."""
-        matcher = req.matcher
-        assert matcher is not None
+        assert req.constraint is not None
+        matcher = req.constraint.matcher
         for t in self.eos_token_ids:
             if matcher.accept(t):
                 matcher.rollback(1)  # the request ends here; a validator's rollback must find the state as it was
@@ -187,8 +189,9 @@ class TokenAppender:
     def _complete(self, req: Request) -> FinishReason | None:
         """The automaton is terminated: a bare root value (a number) completes only here, so
         the validators see it now; a rejection rolls back like any other."""
-        if req.validation is not None:
-            rejection = req.validation.feed("", final=True)
+        assert req.constraint is not None
+        if req.constraint.validation is not None:
+            rejection = req.constraint.validation.feed("", final=True)
             if rejection is not None:
                 return self._reject(req, rejection)
         return FinishReason.STOP
@@ -200,8 +203,9 @@ class TokenAppender:
         '"' + 'John' -> '"John'). Greedy requests have the forced tokens verified against the
         model's own choices in that extend step, so their output is the one without jump-forward.
         Returns [token] when fewer than two tokens would be gained."""
-        matcher = req.matcher
-        assert matcher is not None
+        state = req.constraint
+        assert state is not None
+        matcher = state.matcher
         forced = matcher.forced_string()
         if not forced or self.tokenizer is None:
             return [token]
@@ -212,7 +216,7 @@ class TokenAppender:
         if not matcher.accept_all(ids):
             return [token]
         if req.params.is_greedy:
-            req.forced_pending = len(ids)
+            state.forced_pending = len(ids)
         return [token, *ids]
 
     def _append_one(self, req: Request, token: int) -> FinishReason | None:
@@ -223,9 +227,10 @@ class TokenAppender:
         detok = self.detokenizers.get(req.request_id)
         if detok is not None:  # none in the trace simulator, or when the consumer makes the text
             new_text = detok.add_token(token)
-            if req.validation is not None:
-                req.token_text_ends.append(detok.length)
-                rejection = req.validation.feed(new_text)
+            state = req.constraint
+            if state is not None and state.validation is not None:
+                state.token_text_ends.append(detok.length)
+                rejection = state.validation.feed(new_text)
                 if rejection is not None:
                     return self._reject(req, rejection)
             if detok.stopped:
@@ -240,40 +245,43 @@ class TokenAppender:
             return FinishReason.CONSTRAINT_VIOLATION
         # back to the value's first token; ban the token that chose its content (for a string,
         # the one after the opening quote, which the automaton forces anyway)
+        state = req.constraint
+        assert state is not None
         ban_char = rejection.start + (1 if rejection.is_string else 0)
-        keep = self._token_at(req, rejection.start)
-        req.pending_rollback = (keep, self._token_at(req, ban_char), rejection.reason)
-        req.replacement_text = None
+        keep = self._token_at(state, rejection.start)
+        state.pending_rollback = Rollback(keep, self._token_at(state, ban_char), rejection.reason)
+        state.replacement_text = None
         detok = self.detokenizers.get(req.request_id)
         if rejection.replacement is not None and detok is not None:
             # from the kept tokens' end: the value's first token may carry text before it (' 12');
             # and on through the character that ended the rejected value, so that the digits end
             text = detok.text
-            start = req.token_text_ends[keep - 1] if keep else 0
+            start = state.token_text_ends[keep - 1] if keep else 0
             ending = text[rejection.end] if 0 <= rejection.end < len(text) else ""
-            req.replacement_text = text[start : rejection.start] + rejection.replacement + ending
+            state.replacement_text = text[start : rejection.start] + rejection.replacement + ending
         return None
 
     def force_text(self, req: Request, text: str) -> bool:
         """Append the tokens of ``text`` as forced (probability 1) through the automaton, the
         validators and budget steering. False, with nothing appended, where the automaton
         refuses them, they do not fit the budget, or they end or fail the output."""
-        matcher = req.matcher
-        if self.tokenizer is None or matcher is None:
+        state = req.constraint
+        if self.tokenizer is None or state is None:
             return False
+        matcher = state.matcher
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         keep = len(req.output_ids)
         if not ids or len(ids) >= req.tokens_left(self.max_context_len):
             return False
         if not matcher.accept_all(ids):
             return False
-        if req.budget is not None and self.steering is not None:
+        if state.budget is not None and self.steering is not None:
             self.steering.follow_forced(req, ids)
         for t in ids:
             self._record_forced_logprobs(req, t)
-            if self._append_one(req, t) is not None or req.pending_rollback is not None:
+            if self._append_one(req, t) is not None or state.pending_rollback is not None:
                 matcher.rollback(len(ids))
-                req.pending_rollback = None
+                state.pending_rollback = None
                 del req.output_ids[keep:], req.output_logprobs[keep:], req.output_top_logprobs[keep:]
                 self.rewind(req, keep)
                 return False
@@ -289,12 +297,12 @@ class TokenAppender:
             req.output_top_logprobs.append([(token, 0.0)])
 
     @staticmethod
-    def _token_at(req: Request, char: int) -> int:
+    def _token_at(state: ConstraintState, char: int) -> int:
         """Index of the output token whose text holds character ``char``."""
-        for i, end in enumerate(req.token_text_ends):
+        for i, end in enumerate(state.token_text_ends):
             if end > char:
                 return i
-        return len(req.token_text_ends) - 1
+        return len(state.token_text_ends) - 1
 
     def rewind(self, req: Request, keep: int) -> None:
         """Rebuild the text state for the first ``keep`` output tokens (after a rollback)."""
@@ -311,11 +319,13 @@ class TokenAppender:
         # back only into text that was held, never into text a client has seen)
         detok.resume_after(old.sent)
         self.detokenizers[req.request_id] = detok
-        req.token_text_ends = ends
-        if req.validation is not None:
-            req.validation.reset(detok.text)
-        if req.budget is not None:
-            req.budget.reset(detok.text)
+        state = req.constraint
+        if state is not None:
+            state.token_text_ends = ends
+            if state.validation is not None:
+                state.validation.reset(detok.text)
+            if state.budget is not None:
+                state.budget.reset(detok.text)
 
     def emit(self, req: Request, *, final: bool) -> RequestOutput | None:
         """Hand a delta to the request's callback (the tokens appended since the last one);
@@ -325,13 +335,15 @@ class TokenAppender:
         if not final:
             if not req.stream or req.on_output is None:
                 return None
-            if req.validation is not None:
-                tokens = bisect.bisect_right(req.token_text_ends, req.validation.settled)
+            state = req.constraint
+            if state is not None and state.validation is not None:
+                tokens = bisect.bisect_right(state.token_text_ends, state.validation.settled)
                 if tokens <= req.num_emitted:
                     return None
-                return self._emit_delta(req, tokens, req.token_text_ends[tokens - 1])
+                return self._emit_delta(req, tokens, state.token_text_ends[tokens - 1])
             return self._emit_delta(req)
         detok = self.detokenizers.get(req.request_id)
+        state = req.constraint
         out = RequestOutput(  # the final output
             request_id=req.request_id,
             new_text=detok.take_delta(True) if detok is not None else "",
@@ -348,8 +360,8 @@ class TokenAppender:
             output_ids=list(req.output_ids),
             prompt_logprobs=req.prompt_logprobs.tolist() if req.prompt_logprobs is not None else None,
             text=detok.text if detok is not None else "",
-            shortened=req.budget is not None and req.budget.shortened,
-            constraint_warnings=req.constraint_warnings,
+            shortened=state is not None and state.budget is not None and state.budget.shortened,
+            constraint_warnings=state.warnings if state is not None else None,
         )
         if req.on_output is not None:
             req.on_output(out)

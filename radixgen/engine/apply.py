@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from radixgen.config import EngineConfig
+from radixgen.constraints.state import ConstraintState
 from radixgen.engine.append import TokenAppender
 from radixgen.engine.kv_cache import KVCacheManager
 from radixgen.engine.output import Columns, FinishReason, RequestOutput, StepDeltas
@@ -219,12 +220,14 @@ class StepApplier:
 
     def _after_append(self, req: Request, reason: FinishReason | None) -> RequestOutput | None:
         """What the step's new tokens lead to: a rollback, the end, a jump-forward extend, or a delta."""
-        if req.pending_rollback is not None:
-            return self._rollback(req)
+        state = req.constraint
+        if state is not None and state.pending_rollback is not None:
+            return self._rollback(req, state)
         if reason is not None:
             self.planner.remove_running(req)
             return self.finish(req, reason)
-        if req.pending_extend:
+        if state is not None and state.pending_extend:
+            state.pending_extend = False
             self._requeue_for_extend(req)
             return None
         return self.appender.emit(req, final=False)
@@ -246,7 +249,7 @@ class StepApplier:
             if verdict.logprobs is not None:  # the batch's row holds only the last position's
                 req.sample_override = verdict.logprobs[j]
             reason = self.appender.append_token(req, token, result, i, allow_jump=allow_jump and last)
-            if reason is not None or req.pending_rollback is not None:
+            if reason is not None or (req.constraint is not None and req.constraint.pending_rollback is not None):
                 break
             if not last and (len(req.output_ids) != start + j + 1 or req.output_ids[-1] != token):
                 break  # steering put other tokens in its place: the rest of the draft no longer follows
@@ -270,12 +273,15 @@ class StepApplier:
     def _after_prefill(self, req: Request, plan: StepPlan, i: int, token_ids: list[int]) -> bool:
         """Prefill-only bookkeeping: jump-forward verification outcome, prefix caching, joining the
         decode group. False for a non-final chunk (nothing is sampled for it)."""
-        req.forced_pending = 0
-        mismatch, req.forced_mismatch = req.forced_mismatch, None
+        state = req.constraint
+        mismatch = None
+        if state is not None:
+            state.forced_pending = 0
+            mismatch, state.forced_mismatch = state.forced_mismatch, None
         if mismatch is not None:  # the model would not have produced the forced tokens from here
-            keep, token_ids[i], req.sample_override = mismatch
+            token_ids[i], req.sample_override = mismatch.token, (mismatch.logprob, mismatch.top_logprobs)
             self.appender.replaced_samples.append(req)  # the sampler counted the discarded sample
-            self._drop_forced_tail(req, keep)
+            self._drop_forced_tail(req, mismatch.keep)
         if self.kv.use_cache:
             self.kv.cache_computed_prefix(req)
         if plan.sample_mask is not None and not plan.sample_mask[i]:
@@ -302,28 +308,27 @@ class StepApplier:
     def _requeue_for_extend(self, req: Request) -> None:
         """Jump-forward added several tokens at once: their KV is computed by one prefill (extend)
         on top of the cached sequence instead of one decode step each."""
-        req.pending_extend = False
         self.planner.remove_running(req)
         self.kv.release(req, cache=True)
         self.planner.requeue(req)
         self.log.current.jump_forwards += 1
 
-    def _rollback(self, req: Request) -> RequestOutput | None:
+    def _rollback(self, req: Request, state: ConstraintState) -> RequestOutput | None:
         """A validator rejected a value: take the output back to the value's first token, ban that
         token there, and requeue the request (its kept prefix is served from the cache). Past
         the retry bound the request ends with ``constraint_violation``."""
-        assert req.pending_rollback is not None and req.matcher is not None
-        keep, ban_at, why = req.pending_rollback
-        req.pending_rollback = None
-        req.num_rollbacks += 1
+        rollback, state.pending_rollback = state.pending_rollback, None
+        assert rollback is not None
+        keep, ban_at, why = rollback.keep, rollback.ban_at, rollback.reason
+        state.num_rollbacks += 1
         self.planner.remove_running(req)
-        if req.num_rollbacks > req.params.max_validation_retries:
+        if state.num_rollbacks > req.params.max_validation_retries:
             return self.finish(req, FinishReason.CONSTRAINT_VIOLATION,
                                 error=f"the output kept failing validation; last reason: {why}")
         removed = len(req.output_ids) - keep
-        req.matcher.rollback(removed)
-        req.bans = {pos: toks for pos, toks in req.bans.items() if pos <= keep or pos == ban_at}
-        req.bans.setdefault(ban_at, set()).add(req.output_ids[ban_at])
+        state.matcher.rollback(removed)
+        state.bans = {pos: toks for pos, toks in state.bans.items() if pos <= keep or pos == ban_at}
+        state.bans.setdefault(ban_at, set()).add(req.output_ids[ban_at])
         self._truncate_output(req, keep)
         # KV stays valid for the kept tokens but the last one (it is fed again to resample)
         kept_computed = req.prompt_len + keep - 1
@@ -332,7 +337,7 @@ class StepApplier:
             self.kv.release(req, cache=True)
         else:  # the cached prefix reaches past the rollback point: keep the tree's copy, drop ours
             self.kv.release(req, cache=False)
-        replacement, req.replacement_text = req.replacement_text, None
+        replacement, state.replacement_text = state.replacement_text, None
         if replacement is not None and self.appender.force_text(req, replacement):
             # the requeued prefill computes the written tokens' KV and samples what follows
             logger.info("%s: wrote %r in place of a value its validators rejected %s", req.request_id, replacement, why)

@@ -27,6 +27,7 @@ from radixgen.constraints.call_validation import StructuralValidation
 from radixgen.constraints.events import SchemaValidators, Validation
 from radixgen.constraints.mask import ALL_ALLOWED, ban_tokens
 from radixgen.constraints.spec import ConstraintSpec
+from radixgen.constraints.state import ConstraintState, ForcedMismatch
 from radixgen.constraints.structural import structural_parts
 from radixgen.engine.plan import StepPlan
 from radixgen.engine.request import Request
@@ -71,11 +72,11 @@ class ConstrainedDecoding:
         """Give a request whose grammar is ready its matcher, validators and budget (loop
         thread). Raises ``InvalidParamsError`` when the shortest output the constraint allows
         does not fit the request's budget: better refused now than cut off at the end."""
-        matcher = grammar.matcher()
+        state = ConstraintState(grammar.matcher(), warnings=list(grammar.not_enforced) or None)
         spec = req.params.constraint
         assert spec is not None
         if self.steering is not None:
-            shortest, dfa = self._shortest_output(spec, matcher)
+            shortest, dfa = self._shortest_output(spec, state.matcher)
             budget = req.tokens_left(max_context_len)
             if shortest is not None and shortest.cost > budget:
                 raise InvalidParamsError(
@@ -83,9 +84,9 @@ class ConstrainedDecoding:
                     f"({shortest.text[:80]!r}), but this request may generate only {budget}: raise max_tokens "
                     f"(max_new_tokens) to at least {shortest.cost}")
             if shortest is not None:
-                self.steering.start(req, spec, shortest, dfa)
-        req.matcher = matcher
-        req.validation = self._validation(req, grammar)
+                self.steering.start(state, spec, shortest, dfa)
+        state.validation = self._validation(req, grammar)
+        req.constraint = state
 
     def _shortest_output(self, spec: ConstraintSpec, matcher: Matcher
                          ) -> tuple[Completion | None, RegexCompletions | None]:
@@ -141,7 +142,7 @@ class ConstrainedDecoding:
         """``bitmask`` on the host [B, vocab / 32] int32 (a buffer reused by the next step);
         ``live`` [B] bool: only those rows (the others allow everything)."""
         rows = [i for i, r in enumerate(plan.requests)
-                if r.matcher is not None and (plan.sample_mask is None or plan.sample_mask[i])
+                if r.constraint is not None and (plan.sample_mask is None or plan.sample_mask[i])
                 and (live is None or live[i])]
         if not rows:
             return None
@@ -149,8 +150,9 @@ class ConstrainedDecoding:
         mask.fill(ALL_ALLOWED)
         by_backend: dict[type[Matcher], tuple[list[Matcher], list[int]]] = {}
         for i in rows:
-            matcher = plan.requests[i].matcher
-            assert matcher is not None
+            state = plan.requests[i].constraint
+            assert state is not None
+            matcher = state.matcher
             group = by_backend.setdefault(type(matcher), ([], []))
             group[0].append(matcher)
             group[1].append(i)
@@ -158,11 +160,13 @@ class ConstrainedDecoding:
             kind.fill_bitmasks(matchers, mask, indices)
         for i in rows:
             req = plan.requests[i]
-            banned = req.bans.get(len(req.output_ids))
+            state = req.constraint
+            assert state is not None
+            banned = state.bans.get(len(req.output_ids))
             if banned:
                 ban_tokens(mask[i], banned)
             if not mask[i].any():  # nothing may follow: whatever is sampled will be rejected
-                req.dead_end = (
+                state.dead_end = (
                     "the validators rejected every token that could continue the output here" if banned else
                     DEAD_END)
         return mask
@@ -189,11 +193,12 @@ class ConstrainedDecoding:
             if not m:
                 continue
             req = plan.requests[i]
-            matcher = req.matcher
-            assert matcher is not None
+            state = req.constraint
+            assert state is not None
+            matcher = state.matcher
             forced = req.output_ids[len(req.output_ids) - m :]
             matcher.rollback(m)
-            walked, takes, _ = walk_masks(req, forced, masks.shape[1], len(req.output_ids) - m)
+            walked, takes, _ = walk_masks(state, forced, masks.shape[1], len(req.output_ids) - m)
             again = matcher.accept_all(forced)  # back to the state after them
             assert takes == [True] * m and again, "a forced token the matcher had accepted was refused"
             masks[row : row + m] = walked[:m]
@@ -216,12 +221,14 @@ class ConstrainedDecoding:
             for j, tok in enumerate(forced):
                 choice = int(choice_ids[row + j])
                 if choice != tok:
-                    assert req.matcher is not None
-                    req.matcher.rollback(m - j)  # back to the state before the first token that differs
+                    state = req.constraint
+                    assert state is not None
+                    state.matcher.rollback(m - j)  # back to the state before the first token that differs
                     n = req.params.top_logprobs
                     pairs = ([] if not n or top_ids is None or top_lp is None else
                              list(zip(top_ids[row + j, :n].tolist(), top_lp[row + j, :n].tolist(), strict=True)))
-                    req.forced_mismatch = (len(req.output_ids) - m + j, choice, (float(chosen_lp[row + j]), pairs))
+                    state.forced_mismatch = ForcedMismatch(len(req.output_ids) - m + j, choice,
+                                                           float(chosen_lp[row + j]), pairs)
                     break
             row += m
         return logits[:batch]
@@ -237,22 +244,22 @@ def forced_token_ids(tokenizer: Any, forced: str) -> list[int]:
     return list(tokenizer.encode(forced, add_special_tokens=False))[:-1]
 
 
-def walk_masks(req: Request, tokens: list[int], width: int, first_position: int) -> tuple[np.ndarray, list[bool], int | None]:
+def walk_masks(state: ConstraintState, tokens: list[int], width: int, first_position: int
+               ) -> tuple[np.ndarray, list[bool], int | None]:
     """The row's masks before each of ``tokens`` and after the last: mask j is the automaton's
     after taking tokens[:j], with the validators' bans at output position ``first_position + j``.
     The walk stops after a token the automaton refuses, or before a position that allows nothing;
     the automaton is left as it was. Returns (the masks filled, whether each token walked was
     taken, the first position that allows nothing or None). Speculative drafts and jump-forward's
     forced tokens are both verified over these masks."""
-    matcher = req.matcher
-    assert matcher is not None
+    matcher = state.matcher
     masks = np.full((len(tokens) + 1, width), ALL_ALLOWED, dtype=np.int32)
     takes: list[bool] = []
     dead_at = None
     filled = walked = 0
     for j in range(len(tokens) + 1):
         matcher.fill_bitmask(masks, j)
-        banned = req.bans.get(first_position + j)
+        banned = state.bans.get(first_position + j)
         if banned:
             ban_tokens(masks[j], banned)
         if not masks[j].any():

@@ -439,8 +439,7 @@ class Engine:
             self.scheduler.stats.num_constraint_refusals += req.user_error
             self.scheduler.abort(req.request_id, FinishReason.ERROR, error=str(error))
         else:
-            if grammar.not_enforced:
-                req.constraint_warnings = list(grammar.not_enforced)
+            if grammar.not_enforced:  # attach keeps them in the request's constraint state
                 logger.info("%s: the grammar does not enforce %s; validators check it",
                             req.request_id, "; ".join(grammar.not_enforced))
             try:

@@ -75,6 +75,11 @@ def _last_tokens(reqs: list[Request]) -> np.ndarray:
     return np.fromiter((r.output_ids[-1] for r in reqs), dtype=np.int64, count=len(reqs))
 
 
+def _forced_pending(req: Request) -> int:
+    """Jump-forward's forced tokens at the end of the output awaiting verification."""
+    return req.constraint.forced_pending if req.constraint is not None else 0
+
+
 def _prompt_scoring(reqs: list[Request], prefix_lens: np.ndarray, extend_lens: np.ndarray) -> PromptScoring | None:
     """The positions of this prefill whose next prompt token a request wants scored."""
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
@@ -275,10 +280,11 @@ class BatchPlanner:
         start = req.params.prompt_logprob_start
         # a scored prompt position must be computed, so the cache serves only what precedes it
         reusable = len(tokens) - 1 if start is None else min(len(tokens) - 1, start - 1)
-        if req.forced_pending:
+        forced = _forced_pending(req)
+        if forced:
             # jump-forward's forced tokens are verified against the logits before each of them,
             # so those positions are computed even when the cache holds them
-            reusable = min(reusable, len(tokens) - req.forced_pending - 1)
+            reusable = min(reusable, len(tokens) - forced - 1)
         match = self.kv.match(tokens[:reusable])
         prefix = match.length if match is not None else 0
         need = len(tokens) - prefix + self.reserve.of(req)
@@ -314,8 +320,9 @@ class BatchPlanner:
         out_cache_loc = self.kv.slots_at(np.repeat(rows, extend_lens), positions)
         self.log.current.new_tokens = int(extend_lens.sum())
         # forced tokens are verified only when the whole run is in this step's extend
-        verify = np.array([r.forced_pending if last and r.forced_pending < n else 0
-                           for r, n, last in zip(reqs, extends, is_last, strict=True)], dtype=np.int64)
+        forced = [_forced_pending(r) for r in reqs]
+        verify = np.array([f if last and f < n else 0 for f, n, last in zip(forced, extends, is_last, strict=True)],
+                          dtype=np.int64)
         return StepPlan(
             kind=StepKind.PREFILL, requests=reqs, rows=rows, prefix_lens=prefix_lens, extend_lens=extend_lens,
             input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,

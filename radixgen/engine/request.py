@@ -9,10 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from radixgen.constraints.backend import Matcher
-from radixgen.constraints.budget import BudgetState
-from radixgen.constraints.call_validation import StructuralValidation
-from radixgen.constraints.events import Validation
+from radixgen.constraints.state import ConstraintState
 from radixgen.engine.ngram import DraftState
 from radixgen.engine.output import FinishReason, RequestOutput, StepDeltas
 from radixgen.engine.params import SamplingParams
@@ -64,35 +61,10 @@ class Request:
     first_token_time: float | None = None
     num_retractions: int = 0
     admitted: bool = False
-    matcher: Matcher | None = None
-    """The constraint automaton's state for this request (None when unconstrained)."""
-    validation: Validation | StructuralValidation | None = None
-    """Validators over the JSON output (None when there are none)."""
-    token_text_ends: list[int] = field(default_factory=list)
-    """Output text length after each output token (maps a rejected value's start to a token)."""
-    bans: dict[int, set[int]] = field(default_factory=dict)
-    """Output position -> tokens a validator rejected there (masked out when resampling)."""
-    pending_extend: bool = False
-    """Jump-forward appended forced tokens: compute them in the next prefill (extend) step."""
-    forced_pending: int = 0
-    """Forced tokens at the end of the output not yet checked against the model's greedy choice."""
-    forced_mismatch: tuple[int, int, tuple[float, list[tuple[int, float]]]] | None = None
-    """(forced tokens to keep, the model's token instead of the next one, its log-probability and
-    top log-probabilities) found by verification."""
-    pending_rollback: tuple[int, int, str] | None = None
-    """(output tokens to keep, position whose token to ban, why) set by a validator rejection."""
-    replacement_text: str | None = None
-    """Written in place of the rolled-back value: a valid value the validators' search found
-    (``Validation.search_number``), from the kept tokens' end."""
-    constraint_warnings: list[str] | None = None
-    """What the compiled grammar leaves to the validators (``Grammar.not_enforced``)."""
-    num_rollbacks: int = 0
-    dead_end: str | None = None
-    """Why the constraint (with the validators' bans) allowed no token at this step, if it did not."""
+    constraint: ConstraintState | None = None
+    """Constrained decoding's state for this request (None when unconstrained)."""
     prompt_logprobs: np.ndarray | None = None
     """[prompt_len - prompt_logprob_start] float32, filled as prefill computes the positions."""
-    budget: BudgetState | None = None
-    """Budget steering's state for a constrained request (engine/steering.py)."""
     num_emitted: int = 0
     """Output tokens already handed to ``on_output`` (a step may append several)."""
     speculation: DraftState | None = None

@@ -65,11 +65,11 @@ class RowParams:
         self.logprobs[row] = p.logprobs
         self.top_logprobs[row] = p.top_logprobs
         self.min_new[row] = p.min_new_tokens
-        self.constrained[row] = req.matcher is not None
+        self.constrained[row] = req.constraint is not None
         self.prompt_len[row] = req.prompt_len
         self.max_new[row] = p.max_new_tokens
         self.ignore_eos[row] = p.ignore_eos
-        self.plain[row] = (req.matcher is None and req.validation is None and req.budget is None and not p.stop
+        self.plain[row] = (req.constraint is None and not p.stop
                            and not p.stop_token_ids and not p.logprobs and not p.top_logprobs)
         self.cached_tokens[row] = req.cached_tokens
         self.request_id[row] = req.request_id

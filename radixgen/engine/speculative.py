@@ -34,6 +34,7 @@ import torch
 
 from radixgen.config import EngineConfig
 from radixgen.constraints import apply_bitmask
+from radixgen.constraints.backend import Matcher
 from radixgen.engine.constrained import forced_token_ids, walk_masks
 from radixgen.engine.ngram import DraftState, NgramIndex
 from radixgen.engine.plan import StepKind, StepPlan
@@ -146,22 +147,22 @@ class NgramDrafter:
                 continue
             tokens = _current_tokens(req, state)
             state.index.update(tokens)
-            forced = self._forced(req, room) if req.matcher is not None else []
+            constraint = req.constraint
+            forced = self._forced(constraint.matcher, room) if constraint is not None else []
             draft = forced + state.index.propose(tokens + forced, room - len(forced))
-            if draft and req.matcher is not None:
-                draft = _grammatical_prefix(req, draft)
+            if draft and constraint is not None:
+                draft = _grammatical_prefix(constraint.matcher, draft)
             if draft:
                 state.draft = draft
                 drafts[req] = draft
                 budget -= len(draft)
         return drafts
 
-    def _forced(self, req: Request, room: int) -> list[int]:
+    def _forced(self, matcher: Matcher, room: int) -> list[int]:
         """The tokens of the text the request's automaton forces next (jump-forward's text, here
         verified in the step instead of appended before it), the last one left for the model
         as jump-forward leaves it: it may merge with what follows."""
-        assert req.matcher is not None
-        text = req.matcher.forced_string() if self.tokenizer is not None else ""
+        text = matcher.forced_string() if self.tokenizer is not None else ""
         if not text:
             return []
         return forced_token_ids(self.tokenizer, text)[:room]
@@ -190,10 +191,8 @@ def _current_tokens(req: Request, state: DraftState) -> list[int]:
     return tokens
 
 
-def _grammatical_prefix(req: Request, draft: list[int]) -> list[int]:
+def _grammatical_prefix(matcher: Matcher, draft: list[int]) -> list[int]:
     """The draft up to the first token the request's automaton rejects (its state unchanged)."""
-    matcher = req.matcher
-    assert matcher is not None
     taken = 0
     for token in draft:
         if matcher.is_terminated() or not matcher.accept(token):
@@ -239,15 +238,15 @@ def verify(plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch, penalties
         check = _RowCheck(i, row, k, state.draft, top)
         checks.append(check)
         row += k
-        if greedy and req.matcher is None and not adjusted and top is None:
+        if greedy and req.constraint is None and not adjusted and top is None:
             continue  # the common case: the argmaxes of the whole step, no copy of this row's logits
         positions = torch.cat([extra[check.extra_start : check.extra_start + k], logits[i : i + 1]])
         # what the sampler does to a decode step's logits before it chooses
         if req.params.has_penalties:
             positions = penalties.apply_positions(positions, batch, i, state.draft)
         positions = batch.bias_positions(positions, i)
-        if req.matcher is not None:
-            masks, takes, dead_at = walk_masks(req, state.draft, bitmask.shape[1], len(req.output_ids))
+        if req.constraint is not None:
+            masks, takes, dead_at = walk_masks(req.constraint, state.draft, bitmask.shape[1], len(req.output_ids))
             check.walk = _Walk(takes, dead_at)
             first = positions[:1]
             first_choice = first.argmax(dim=-1)
@@ -328,7 +327,8 @@ class _RowCheck:
         for j in range(k + 1):
             if self.walk.dead_at == j:
                 if j == 0:
-                    req.dead_end = dead_end  # as a plain decode step would have found
+                    assert req.constraint is not None
+                    req.constraint.dead_end = dead_end  # as a plain decode step would have found
                     return self._with_logprobs(Verdict([], choice), host, self.first, 1)
                 # nothing may follow the last draft token: it is the model's choice, not a draft
                 return self._with_logprobs(Verdict(draft[: j - 1], draft[j - 1]), host, self.choices, j)

@@ -27,6 +27,7 @@ from typing import Any
 from radixgen.constraints.backend import Matcher
 from radixgen.constraints.budget import BudgetState, Completer, Completion, RegexCompletions
 from radixgen.constraints.spec import ConstraintSpec
+from radixgen.constraints.state import ConstraintState
 from radixgen.engine.request import Request
 
 _FAR_TOKENS = 24
@@ -55,8 +56,9 @@ class BudgetSteering:
         self.margin = margin_tokens
         self._texts: dict[int, str] = {}
 
-    def start(self, req: Request, spec: ConstraintSpec, shortest: Completion, dfa: RegexCompletions | None) -> None:
-        req.budget = BudgetState(is_json=spec.kind in ("json_schema", "json_object"), completion=shortest, dfa=dfa,
+    def start(self, state: ConstraintState, spec: ConstraintSpec, shortest: Completion,
+              dfa: RegexCompletions | None) -> None:
+        state.budget = BudgetState(is_json=spec.kind in ("json_schema", "json_object"), completion=shortest, dfa=dfa,
                                  dfa_state=dfa.initial if dfa is not None else None)
 
     def shortest(self, matcher: Matcher, dfa: RegexCompletions | None) -> Completion | None:
@@ -92,7 +94,8 @@ class BudgetSteering:
 
     def follow_forced(self, req: Request, token_ids: list[int]) -> None:
         """Jump-forward appended ``token_ids`` (the automaton forced them): follow their text."""
-        state = req.budget
+        assert req.constraint is not None
+        state = req.constraint.budget
         assert state is not None
         for t in token_ids:
             state.scan(self.token_text(t))
@@ -102,8 +105,9 @@ class BudgetSteering:
         """Called once the matcher has accepted the sampled ``token_id`` with ``tokens_left``
         counting its slot. Returns None to keep it; otherwise the matcher has been moved back
         before it and on through the returned tokens."""
-        state, matcher = req.budget, req.matcher
-        assert state is not None and matcher is not None
+        assert req.constraint is not None
+        state, matcher = req.constraint.budget, req.constraint.matcher
+        assert state is not None
         if state.disabled:
             return None
         before = state.completion

@@ -1,0 +1,61 @@
+"""A constrained request's state in the engine, owned by constrained decoding: its automaton, its
+validators and the bans and rollback they set, budget steering's view of it, and jump-forward's
+forced tokens awaiting verification. ``Request.constraint`` holds it (None: unconstrained)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from radixgen.constraints.backend import Matcher
+from radixgen.constraints.budget import BudgetState
+from radixgen.constraints.call_validation import StructuralValidation
+from radixgen.constraints.events import Validation
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """A validator's rejection, applied after the step: the output goes back to ``keep`` tokens
+    and the token at ``ban_at`` is banned there when the model resamples."""
+
+    keep: int
+    ban_at: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class ForcedMismatch:
+    """Verification found the model would not have produced a forced token: the output keeps
+    ``keep`` tokens and the model's own ``token`` follows, with its log-probabilities."""
+
+    keep: int
+    token: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+
+
+@dataclass(eq=False)
+class ConstraintState:
+    matcher: Matcher
+    """The constraint automaton's state for this request."""
+    validation: Validation | StructuralValidation | None = None
+    """Validators over the JSON output (None when there are none)."""
+    budget: BudgetState | None = None
+    """Budget steering's view (engine/steering.py); None when not steered."""
+    warnings: list[str] | None = None
+    """What the compiled grammar leaves to the validators (``Grammar.not_enforced``)."""
+    token_text_ends: list[int] = field(default_factory=list)
+    """Output text length after each output token (maps a rejected value's start to a token)."""
+    bans: dict[int, set[int]] = field(default_factory=dict)
+    """Output position -> tokens a validator rejected there (masked out when resampling)."""
+    pending_rollback: Rollback | None = None
+    replacement_text: str | None = None
+    """Written in place of the rolled-back value: a valid value the validators' search found
+    (``Validation.search_number``), from the kept tokens' end."""
+    num_rollbacks: int = 0
+    dead_end: str | None = None
+    """Why the automaton (with the validators' bans) allowed no token at this step, if it did not."""
+    forced_pending: int = 0
+    """Forced tokens at the end of the output not yet checked against the model's greedy choice."""
+    forced_mismatch: ForcedMismatch | None = None
+    pending_extend: bool = False
+    """Jump-forward appended forced tokens: compute them in the next prefill (extend) step."""
