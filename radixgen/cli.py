@@ -130,9 +130,9 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     print(f"{choices.cpu}, {threads} threads, {config.model_dtype}, weights {config.weights}")
     for choice in choices.choices:
         timed = "  ".join(f"{name} {ms:.3f} ms" for name, ms in choice.times_ms.items()) or "(only one runs here)"
-        print(f"{choice.op:<20} {choice.chosen:<14} {timed}")
+        print(f"{choice.op:<24} {choice.chosen:<14} {timed}")
         for name, why in choice.skipped.items():
-            print(f"{'':<20} {'':<14} {name} skipped: {why}")
+            print(f"{'':<24} {'':<14} {name} skipped: {why}")
     return 0
 
 

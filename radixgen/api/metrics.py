@@ -65,6 +65,13 @@ class ServerMetrics:
         for op, implementation in kernels.items():
             info.labels(op=op, implementation=implementation).set(1)
 
+    def set_weights(self, weights: str | None) -> None:
+        """What holds the model's weights (``radixgen_weights_info{weights} 1``): with
+        ``weights=auto``, what the engine picked for this machine."""
+        if weights:
+            Gauge("radixgen_weights_info", "What holds the model's weights", ["weights"],
+                  registry=self.registry).labels(weights=weights).set(1)
+
     def render(self, engine_stats: dict[str, Any] | None) -> bytes:
         if engine_stats and "replicas" in engine_stats:
             self._render_replicas(engine_stats["replicas"])

@@ -139,6 +139,7 @@ def create_app(config: ServerConfig, *, client: EngineHandle | None = None) -> F
         app.state.call_scorer = CallScorer(engine, app.state.tokenizer, app.state.chat_format)
         app.state.metrics = ServerMetrics()
         app.state.metrics.set_kernels(engine.info.get("kernels") or {})
+        app.state.metrics.set_weights(engine.info.get("weights"))
         logger.info("serving %s on http://%s:%d", app.state.model_name, config.host, config.port)
         try:
             yield

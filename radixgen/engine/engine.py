@@ -334,7 +334,8 @@ class Engine:
                 "vocab_size": self.model_config.vocab_size, "model_path": str(self.model_path),
                 "max_new_tokens_limit": self.config.max_new_tokens_limit,
                 "sampling_defaults": self.sampling_defaults, "architecture": self.model_config.architecture,
-                "pid": os.getpid(), "model": self.config.model, "kernels": self.runner.kernels_in_use()}
+                "pid": os.getpid(), "model": self.config.model, "kernels": self.runner.kernels_in_use(),
+                "weights": self.runner.weights}
 
     def stats_snapshot(self) -> dict[str, Any]:
         """KV accounting and scheduler counters, read consistently on the engine thread. The

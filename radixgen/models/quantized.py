@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from radixgen.kernels import ops, quant_layout  # noqa: F401  # ops: defines torch.ops.radixgen.quant_linear
+from radixgen.models.layers import Linear
 
 GROUP = quant_layout.GROUP
 
@@ -118,6 +119,26 @@ class QuantizedLinear(nn.Module):
         self.packed: torch.Tensor
         self.register_buffer("packed", interleave(weight), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.dense: Linear | None = None
+        """A dense copy of the weight for steps of at least ``dense_min_tokens`` tokens, where
+        the machine measured a GEMM over it faster (``add_dense``); None: every step runs on the
+        blocks."""
+        self.dense_min_tokens = 0
+
+    def add_dense(self, dtype: torch.dtype, min_tokens: int) -> int:
+        """Keep a dense ``dtype`` copy (in oneDNN's layout where it packs) for steps of at least
+        ``min_tokens`` tokens; returns its bytes."""
+        dense = Linear(self.in_features, self.out_features, self.bias is not None, dtype)
+        dense.weight.data = self.weight_q.dequantize(dtype)
+        if self.bias is not None and dense.bias is not None:
+            dense.bias.data = self.bias.data.to(dtype)
+        dense.pack(keep_plain=False)
+        self.dense, self.dense_min_tokens = dense, min_tokens
+        held = dense._packed if dense._packed is not None else dense.weight
+        return held.numel() * held.element_size()
+
+    def drop_dense(self) -> None:
+        self.dense, self.dense_min_tokens = None, 0
 
     @property
     def weight_q(self) -> QuantizedWeight:
@@ -129,6 +150,8 @@ class QuantizedLinear(nn.Module):
         return deinterleave(self.packed[index // quant_layout.BLOCK_ROWS], self.bits, index % quant_layout.BLOCK_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] >= self.dense_min_tokens:
+            return self.dense(x)
         y = torch.ops.radixgen.quant_linear.default(x, self.packed, self.out_features, self.bits)
         return y if self.bias is None else y + self.bias
 

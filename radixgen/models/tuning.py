@@ -28,6 +28,7 @@ from radixgen.models.attention.base import AttentionBatch, LayerAttention
 from radixgen.models.attention.cpu import CpuAttention
 from radixgen.models.decoder import CausalLM
 from radixgen.models.layers import Linear
+from radixgen.models.quantized import QuantizedLinear
 from radixgen.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,17 @@ class KernelChoices:
                 break
             tokens = size
         return tokens
+
+    def dense_min_tokens(self) -> int | None:
+        """The smallest timed step size from which a dense copy of the quantized weights won at
+        every larger timed size too; None: the blocks at every size."""
+        sizes = sorted(int(c.op.split("_")[2]) for c in self.choices if c.op.startswith("quant_linear_"))
+        dense_from = None
+        for size in reversed(sizes):
+            if self.chosen(f"quant_linear_{size}_tokens", "") != "dense":
+                break
+            dense_from = size
+        return dense_from
 
     def summary(self) -> dict[str, str]:
         return {c.op: c.chosen for c in self.choices}
@@ -268,6 +280,41 @@ def _choose_small_linear(model: CausalLM, kernels: CpuKernels | None, tokens: in
     return choose(f"linear_{tokens}_token", implementations, time_ms)
 
 
+QUANT_STEP_SIZES = (32, 128)
+"""Step sizes (tokens) at which a quantized model's linears are timed on the blocks against a
+dense copy: a decode batch of 32, a prefill chunk."""
+_QUANT_TIMED_LAYERS = 4
+"""Layers timed (with the LM head): at these sizes the step is compute-bound, so a few layers
+rank the implementations as the whole model would."""
+
+
+def _quantized_linears(model: CausalLM) -> list[QuantizedLinear]:
+    layers = model.decoder_layers()[:_QUANT_TIMED_LAYERS]
+    found = [m for layer in layers for m in layer.modules() if isinstance(m, QuantizedLinear)]
+    head = model.lm_head if isinstance(model.lm_head, QuantizedLinear) else (
+        model.quantized_embed.head if model.quantized_embed is not None else None)
+    return found + ([head] if head is not None else [])
+
+
+def _choose_quant_linear(model: CausalLM, dtype: torch.dtype, tokens: int) -> OpChoice | None:
+    linears = _quantized_linears(model)
+    if not linears:
+        return None
+    inputs = [torch.randn(tokens, m.in_features).to(dtype) for m in linears]
+
+    def time_ms(name: str) -> float:
+        try:
+            if name == "dense":
+                for m in linears:
+                    m.add_dense(dtype, 1)
+            return _timed_ms(lambda: [m(x) for m, x in zip(linears, inputs, strict=True)], repeats=3)
+        finally:
+            for m in linears:
+                m.drop_dense()
+
+    return choose(f"quant_linear_{tokens}_tokens", [Implementation("blocks"), Implementation("dense")], time_ms)
+
+
 def _cache_key(features: CpuFeatures, model: CausalLM, dtype: torch.dtype, threads: int,
                kernels: CpuKernels | None) -> str:
     cfg = model.config
@@ -277,6 +324,8 @@ def _cache_key(features: CpuFeatures, model: CausalLM, dtype: torch.dtype, threa
         "cpu": features.model_name, "flags": sorted(features.flags & set(CPU_FLAGS)), "torch": torch.__version__,
         "threads": threads, "kernels": kernels is not None, "dtype": str(dtype),
         "attention": [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim], "linears": linears,
+        "quantized": sorted({(m.out_features, m.in_features, m.bits) for m in model.modules()
+                             if isinstance(m, QuantizedLinear)}),
     }
     return hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -291,6 +340,10 @@ def measure(model: CausalLM, dtype: torch.dtype, kernels: CpuKernels | None, fea
         choices = [_choose_prefill(model, dtype, kernels), _choose_decode(model, dtype, kernels)]
         for tokens in (1, 2):
             choice = _choose_small_linear(model, kernels, tokens)
+            if choice is not None:
+                choices.append(choice)
+        for tokens in QUANT_STEP_SIZES:
+            choice = _choose_quant_linear(model, dtype, tokens)
             if choice is not None:
                 choices.append(choice)
     return KernelChoices(features.label(), choices)

@@ -140,6 +140,8 @@ def test_metrics_show_the_chosen_kernels() -> None:
     assert 'radixgen_kernel_info{implementation="sdpa",op="prefill_attention"} 1.0' in body
     assert 'radixgen_kernel_info{implementation="native",op="decode_attention"} 1.0' in body
     assert "radixgen_kernel_info" not in ServerMetrics().render(None).decode()
+    metrics.set_weights("4-bit blocks (211 linears)")
+    assert 'radixgen_weights_info{weights="4-bit blocks (211 linears)"} 1.0' in metrics.render(None).decode()
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="the native kernels do not build here")
@@ -155,3 +157,62 @@ def test_radixgen_tune_prints_and_caches_the_choices(
         assert op in out
     assert "native skipped: the native prefill kernel takes bfloat16 pools only" in out
     assert len(list(tuning_cache.glob("*.json"))) == 1
+
+
+def test_dense_copies_serve_from_the_smallest_size_that_won_at_every_larger_one() -> None:
+    def choices(at_32: str, at_128: str) -> KernelChoices:
+        return KernelChoices("cpu", [OpChoice("quant_linear_32_tokens", at_32),
+                                     OpChoice("quant_linear_128_tokens", at_128)])
+
+    assert choices("dense", "dense").dense_min_tokens() == 32
+    assert choices("blocks", "dense").dense_min_tokens() == 128
+    assert choices("dense", "blocks").dense_min_tokens() is None
+    assert choices("blocks", "blocks").dense_min_tokens() is None
+    assert KernelChoices("cpu", []).dense_min_tokens() is None  # float weights: nothing timed
+
+
+def test_a_quantized_linear_runs_large_steps_on_its_dense_copy_and_small_ones_on_its_blocks(
+        tiny_model_dir: Path) -> None:
+    from radixgen.models.quantized import QuantizedLinear
+
+    model = load_model(str(tiny_model_dir), weights="int4").model
+    linear = next(m for m in model.modules() if isinstance(m, QuantizedLinear))
+    generator = torch.Generator().manual_seed(0)
+    small, large = (torch.randn(n, linear.in_features, generator=generator) for n in (3, 8))
+    on_blocks = linear(small)
+    held = linear.add_dense(torch.float32, min_tokens=8)
+    assert held >= linear.out_features * linear.in_features * 4
+    assert torch.equal(linear(small), on_blocks), "below the threshold the blocks still serve"
+    dense = large @ linear.weight_q.dequantize(torch.float32).T
+    if linear.bias is not None:
+        dense = dense + linear.bias
+    torch.testing.assert_close(linear(large), dense, rtol=1e-5, atol=1e-5)
+    linear.drop_dense()
+    assert linear.dense is None
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the native kernels do not build here")
+def test_quantized_weights_are_timed_against_a_dense_copy_and_the_engine_says_what_it_holds(
+    tiny_model_dir: Path, tuning_cache: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from radixgen.models.quantized import QuantizedLinear
+
+    monkeypatch.setenv("RADIXGEN_TUNE_KERNELS", "1")
+    config = EngineConfig(model=str(tiny_model_dir), weights="int4", kv_cache_tokens=2048, max_context_len=256)
+    params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    with Engine(config) as engine:
+        kernels = engine.info()["kernels"]
+        assert {"quant_linear_32_tokens", "quant_linear_128_tokens"} <= set(kernels)
+        assert "linear_1_token" not in kernels, "no plain weights to time"
+    [entry] = tuning_cache.glob("*.json")
+    data = json.loads(entry.read_text())
+    timed = [c for c in data["choices"] if c["op"].startswith("quant_linear_")]
+    assert all(set(c["times_ms"]) == {"blocks", "dense"} for c in timed)
+    for choice in timed:  # as if the dense copy had won from 32 tokens on
+        choice["chosen"] = "dense"
+    entry.write_text(json.dumps(data))
+    with Engine(config) as engine:
+        quantized = [m for m in engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+        assert quantized and all(m.dense is not None and m.dense_min_tokens == 32 for m in quantized)
+        assert "steps of 32+ tokens on a dense float32 copy" in engine.info()["weights"]
+        assert engine.generate(list(range(5, 45)), params).completion_tokens == 4  # a 40-token prefill, dense
