@@ -40,7 +40,8 @@ class EngineReplica:
         try:
             first = await outputs.__anext__()
         except ValueError as e:  # a user error the front did not catch
-            yield RequestOutput(request_id, [], "", True, FinishReason.ERROR, error=str(e), user_error=True)
+            yield RequestOutput(request_id=request_id, new_token_ids=[], new_text="", finished=True,
+                                finish_reason=FinishReason.ERROR, error=str(e), user_error=True)
             return
         try:
             yield first

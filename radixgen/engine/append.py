@@ -135,7 +135,7 @@ class TokenAppender:
                     text = detok.stream_token(token)
                 else:
                     detok.add_token(token)
-            deltas = req.deltas
+            deltas = req.delta_sink
             if deltas is not None and req.stream and req.num_emitted == len(output_ids) - 1:
                 req.num_emitted = upto = len(output_ids)
                 deltas.request_ids.append(req.request_id)
@@ -149,8 +149,10 @@ class TokenAppender:
             if req.stream and callback is not None:
                 since = req.num_emitted
                 req.num_emitted = upto = len(output_ids)
-                out = RequestOutput(req.request_id, output_ids[since:upto], text, False, None, req.error,
-                                    req.user_error, req.prompt_len, upto, req.cached_tokens)
+                out = RequestOutput(request_id=req.request_id, new_token_ids=output_ids[since:upto], new_text=text,
+                                    finished=False, error=req.error, user_error=req.user_error,
+                                    prompt_tokens=req.prompt_len, completion_tokens=upto,
+                                    cached_tokens=req.cached_tokens)
                 try:
                     callback(out)
                 except Exception as e:  # noqa: BLE001 - the caller's callback fails its own request alone
@@ -373,13 +375,14 @@ class TokenAppender:
         params = req.params
         since = req.num_emitted
         upto = req.num_emitted = len(req.output_ids) if tokens is None else tokens
+        detok = self.detokenizers.get(req.request_id)
         out = RequestOutput(
-            req.request_id,
-            req.output_ids[since:upto],
-            detok.take_delta(False, chars) if (detok := self.detokenizers.get(req.request_id)) is not None else "",
-            False, None, req.error, req.user_error, req.prompt_len, len(req.output_ids), req.cached_tokens,
-            req.output_logprobs[since:upto] if params.logprobs else None,
-            req.output_top_logprobs[since:upto] if params.top_logprobs else None,
+            request_id=req.request_id, new_token_ids=req.output_ids[since:upto],
+            new_text=detok.take_delta(False, chars) if detok is not None else "", finished=False,
+            error=req.error, user_error=req.user_error, prompt_tokens=req.prompt_len,
+            completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
+            new_logprobs=req.output_logprobs[since:upto] if params.logprobs else None,
+            new_top_logprobs=req.output_top_logprobs[since:upto] if params.top_logprobs else None,
         )
         assert req.on_output is not None
         req.on_output(out)

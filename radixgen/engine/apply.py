@@ -49,7 +49,7 @@ class _SteadyBatch:
         assert plan.batch_version is not None
         rows = plan.rows
         sinks = table.sink[rows]
-        if not len(rows) or not table.plain[rows].all() or sinks[0] < 0 or not (sinks == sinks[0]).all():
+        if not len(rows) or not table.fast_lane[rows].all() or sinks[0] < 0 or not (sinks == sinks[0]).all():
             return cls(plan.batch_version, None)
         prompt_len = table.prompt_len[rows]
         return cls(plan.batch_version, table.sinks[int(sinks[0])],
@@ -177,7 +177,7 @@ class StepApplier:
         ends = _ending(tokens, seq_len, table.end_at(rows, self.appender.max_context_len), ~table.ignore_eos[rows],
                        self.appender.eos_array)
         plain = np.zeros(len(plan.requests), dtype=bool)
-        plain[start:] = table.plain[rows] & ~ends
+        plain[start:] = table.fast_lane[rows] & ~ends
         return plain
 
     def _apply_plain(self, plan: StepPlan, plain: np.ndarray, result: SampleResult, token_ids: list[int],

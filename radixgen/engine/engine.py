@@ -46,6 +46,16 @@ Prompt = str | Sequence[int]
 
 
 @dataclass
+class _Startup:
+    """What the loop thread's start-up hands the constructor: the model it was given (or None:
+    load it), then the runner and model it built, or why it failed."""
+
+    loaded: LoadedModel | None
+    runner: ModelRunner | None = None
+    error: BaseException | None = None
+
+
+@dataclass
 class _Collector:
     """Keeps the final output of one non-streaming request (set on the loop thread)."""
 
@@ -79,15 +89,16 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="radixgen-engine", daemon=True)
         self._ready = threading.Event()
         self._started = threading.Event()
-        self._init_box: list[Any] = [loaded]
+        self._startup = _Startup(loaded)
         # The model is built and run on the loop thread only: a forward on a different thread
         # from the one that first ran torch's OpenMP work took ~50% longer here (60-67 ms vs
         # 40-44 ms per SmolLM2 decode step).
         self._thread.start()
         self._ready.wait()
-        if isinstance(self._init_box[0], BaseException):
-            raise self._init_box[0]
-        self.runner, loaded = self._init_box
+        if self._startup.error is not None:
+            raise self._startup.error
+        assert self._startup.runner is not None and self._startup.loaded is not None
+        self.runner, loaded = self._startup.runner, self._startup.loaded
         try:
             self._init_front(loaded)
         except BaseException:
@@ -139,11 +150,11 @@ class Engine:
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, *,
         request_id: str | None = None, on_output: Callable[[RequestOutput], None] | None = None,
-        stream: bool = True, deltas: StepDeltas | None = None, detokenize: bool = True,
+        stream: bool = True, delta_sink: StepDeltas | None = None, detokenize: bool = True,
     ) -> Request:
         """Submit one request; ``on_output`` is called on the engine thread with each delta
-        (``stream=True``) or only with the final output. With ``deltas``, the one-token deltas
-        of its plain decode steps are appended there instead (``Request.deltas``). With
+        (``stream=True``) or only with the final output. With ``delta_sink``, the one-token deltas
+        of its plain decode steps are appended there instead (``Request.delta_sink``). With
         ``detokenize=False`` the outputs carry no text unless the engine needs it
         (``SamplingParams.engine_needs_text``): the caller makes it from the token ids."""
         self._check_alive()
@@ -163,7 +174,7 @@ class Engine:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(
             request_id=request_id, prompt_ids=prompt_ids, params=params, rng_seed=seed,
-            on_output=self._wrap_callback(on_output), stream=stream, deltas=deltas,
+            on_output=self._wrap_callback(on_output), stream=stream, delta_sink=delta_sink,
             detokenize=detokenize or params.engine_needs_text,
         )
         if params.prompt_logprob_start is not None:
@@ -318,9 +329,9 @@ class Engine:
 
     def kv_accounting(self) -> dict[str, int]:
         """Slots free / held by requests / held by the tree / pool size, read on the engine thread."""
-        return self.run_on_loop(self.kv_accounting_unlocked)
+        return self.run_on_loop(self.kv_accounting_on_loop)
 
-    def kv_accounting_unlocked(self) -> dict[str, int]:
+    def kv_accounting_on_loop(self) -> dict[str, int]:
         """The same, for callers already on the engine thread."""
         pool = self.scheduler.pool
         return {"free": pool.available(), "held_by_requests": self.scheduler.held_by_requests(),
@@ -344,7 +355,7 @@ class Engine:
         def read() -> dict[str, Any]:
             planner = self.scheduler.planner
             now = {"queue_depth": len(planner.waiting), "running": len(planner.running)}
-            return {**self.kv_accounting_unlocked(), **self.scheduler.stats.snapshot(), **now}
+            return {**self.kv_accounting_on_loop(), **self.scheduler.stats.snapshot(), **now}
 
         return self.run_on_loop(read)
 
@@ -452,9 +463,9 @@ class Engine:
 
     def _loop(self) -> None:
         try:
-            self._init_box = list(ModelRunner.from_config(self.config, self._init_box[0]))
+            self._startup.runner, self._startup.loaded = ModelRunner.from_config(self.config, self._startup.loaded)
         except BaseException as e:  # reported by __init__
-            self._init_box = [e]
+            self._startup.error = e
             self._ready.set()
             return
         self._ready.set()

@@ -36,7 +36,7 @@ class Request:
     detokenize: bool = True
     """Make the output's text here; False when the consumer makes it from the token ids (only
     for requests whose text the engine does not need: ``SamplingParams.engine_needs_text``)."""
-    deltas: StepDeltas | None = None
+    delta_sink: StepDeltas | None = None
     """Where a streamed one-token delta of a plain decode row goes instead of ``on_output``
     (columns for a consumer in another process); finals and every other delta still go to
     ``on_output``."""

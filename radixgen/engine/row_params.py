@@ -37,7 +37,7 @@ class RowParams:
         self.prompt_len = np.zeros(num_rows, dtype=np.int64)
         self.max_new = np.zeros(num_rows, dtype=np.int64)
         self.ignore_eos = np.zeros(num_rows, dtype=bool)
-        self.plain = np.zeros(num_rows, dtype=bool)
+        self.fast_lane = np.zeros(num_rows, dtype=bool)
         """Unconstrained, no stop strings or stop token ids, no log-probabilities: a decode
         token only appends, detokenizes and streams (the step applier's batched lane)."""
         self.cached_tokens = np.zeros(num_rows, dtype=np.int64)
@@ -69,11 +69,11 @@ class RowParams:
         self.prompt_len[row] = req.prompt_len
         self.max_new[row] = p.max_new_tokens
         self.ignore_eos[row] = p.ignore_eos
-        self.plain[row] = (req.constraint is None and not p.stop
+        self.fast_lane[row] = (req.constraint is None and not p.stop
                            and not p.stop_token_ids and not p.logprobs and not p.top_logprobs)
         self.cached_tokens[row] = req.cached_tokens
         self.request_id[row] = req.request_id
-        deltas = req.deltas
+        deltas = req.delta_sink
         self.sink[row] = self._sink_index(deltas) if deltas is not None and req.stream and not req.detokenize else -1
         self.owner[row] = req
 

@@ -101,9 +101,10 @@ def engine_process_main(config: EngineConfig, requests_addr: str, outputs_addr: 
                 request_id, prompt_ids, params, stream, detokenize = payload
                 try:
                     engine.add_request(prompt_ids, params, request_id=request_id, on_output=collect, stream=stream,
-                                       deltas=deltas, detokenize=detokenize)
+                                       delta_sink=deltas, detokenize=detokenize)
                 except ValueError as e:  # a user error the front door did not catch
-                    send(("outputs", ([RequestOutput(request_id, [], "", True, FinishReason.ERROR, error=str(e),
+                    send(("outputs", ([RequestOutput(request_id=request_id, new_token_ids=[], new_text="", finished=True,
+                                                     finish_reason=FinishReason.ERROR, error=str(e),
                                                      user_error=True)], None)))
             elif kind == "abort":
                 engine.abort(payload)

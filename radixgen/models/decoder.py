@@ -49,7 +49,7 @@ class Attention(nn.Module):
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_size, self.qk_size = q_size, q_size + kv_size
         self.rope = [rope]  # shared with the model; a list keeps it out of this module's children
-        self.variant = LayerAttention(cfg.scale, cfg.window_of(layer), cfg.attn_softcap)
+        self.layer_attention = LayerAttention(cfg.scale, cfg.window_of(layer), cfg.attn_softcap)
         self.qkv = Linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.attention_bias, dtype)
         self.o = Linear(q_size, cfg.hidden_size, False, dtype)
         self.qk_norm = cfg.family.qk_norm
@@ -85,12 +85,12 @@ class Attention(nn.Module):
             q = torch.ops.radixgen.rope_store_kv.default(
                 qkv, step.positions, rope.cos, rope.sin, k_cache, v_cache, step.metadata.out_cache_loc, self.num_heads,
             )
-            return self.o(step.attention.forward(q, None, None, k_cache, v_cache, self.variant, step.metadata))
+            return self.o(step.attention.forward(q, None, None, k_cache, v_cache, self.layer_attention, step.metadata))
         cos, sin = step.tables(rope)
         qk = qkv[:, : self.qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k = rope.rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = step.attention.forward(q, k, v, k_cache, v_cache, self.variant, step.metadata)  # [T, heads*head_dim]
+        out = step.attention.forward(q, k, v, k_cache, v_cache, self.layer_attention, step.metadata)  # [T, heads*head_dim]
         return self.o(out)
 
 

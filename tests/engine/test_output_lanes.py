@@ -87,7 +87,7 @@ def _run(tokenizer: Any, *, lane: bool, monkeypatch: pytest.MonkeyPatch, kv_toke
                     if consumer_text and not params.engine_needs_text:
                         texts[name] = ConsumerText(tokenizer, prompt_ids, params.skip_special_tokens)
                     sched.add_request(Request(name, prompt_ids, params, rng_seed=n, on_output=receive, stream=stream,
-                                              deltas=deltas if columns else None, detokenize=name not in texts))
+                                              delta_sink=deltas if columns else None, detokenize=name not in texts))
             plan = sched.schedule()
             if plan is None:
                 break
