@@ -28,8 +28,27 @@ DEFAULT_OPTIONS = GrammarOptions()
 def grammar_schema(schema: Any, options: GrammarOptions = DEFAULT_OPTIONS) -> Any:
     """What the backends compile for ``schema`` (read by its draft: ``drafts.as_2020_12``)."""
     schema = as_2020_12(schema)
-    schema = limit_recursion(integral_counts(bound_numbers(schema)), options.max_recursion_depth)
+    schema = limit_recursion(integral_counts(bound_numbers(declare_required(schema))), options.max_recursion_depth)
     return schema if options.open_objects else close_objects(schema)
+
+
+def declare_required(schema: Any) -> Any:
+    """A copy of ``schema`` where each required property that ``properties`` does not declare is
+    declared with an empty schema, wherever no ``additionalProperties`` reads the undeclared ones:
+    the same instances are valid, but a backend that generates (and requires) only declared
+    properties now writes them, and closing the object no longer forbids them."""
+    if isinstance(schema, list):
+        return [declare_required(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in _DATA_KEYWORDS else declare_required(value) for key, value in schema.items()}
+    required = out.get("required")
+    properties = out.get("properties", {})
+    if (isinstance(required, list) and isinstance(properties, dict) and "additionalProperties" not in out
+            and any(isinstance(name, str) and name not in properties for name in required)):
+        out["properties"] = {**properties, **{name: {} for name in required
+                                              if isinstance(name, str) and name not in properties}}
+    return out
 
 
 _ROOT = "__root__"

@@ -14,7 +14,11 @@ from radixgen.constraints.drafts import as_2020_12
 from radixgen.constraints.schema_rewrite import DEFAULT_OPTIONS, GrammarOptions, grammar_schema
 from radixgen.constraints.spec import ConstraintSpec
 from radixgen.constraints.structural import structural_parts, xgrammar_structural_tag
-from radixgen.constraints.xgrammar_subset import xgrammar_enforces_exactly
+from radixgen.constraints.xgrammar_subset import (
+    readable_by_xgrammar,
+    within_xgrammar_subset,
+    xgrammar_enforces_exactly,
+)
 from radixgen.errors import InvalidConstraintError
 
 try:
@@ -104,8 +108,11 @@ class XGrammarBackend(GrammarBackend):
             if spec.kind == "regex":
                 compiled = self._compiler.compile_regex(spec.value)
             elif spec.kind == "json_schema":
+                schema = grammar_schema(spec.schema(), self.options)
+                if not within_xgrammar_subset(as_2020_12(spec.schema())):
+                    schema = readable_by_xgrammar(schema, close_objects=not self.options.open_objects)
                 compiled = self._compiler.compile_json_schema(
-                    json.dumps(grammar_schema(spec.schema(), self.options)), any_whitespace=False, separators=_SEPARATORS,
+                    json.dumps(schema), any_whitespace=False, separators=_SEPARATORS,
                     strict_mode=False,  # closing objects is grammar_schema's decision, the same for every backend
                 )
             elif spec.kind == "json_object":

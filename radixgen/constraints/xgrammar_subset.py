@@ -87,3 +87,44 @@ def _exact_keywords_only(schema: Any) -> bool:
     if not set(schema.get("required", [])) <= set(schema.get("properties", {})):
         return False  # xgrammar requires only the properties it generates (the suite's items.json)
     return all(_exact_keywords_only(sub) for sub in _subschemas(schema))
+
+
+# What xgrammar cannot read, dropped from the schema it compiles when the schema is outside its
+# subset: left in, some of them make it accept any JSON at all (a root "allOf" did).
+_DROPPED_FOR_XGRAMMAR = frozenset({
+    "not", "if", "then", "else", "dependentSchemas", "dependentRequired", "unevaluatedProperties", "unevaluatedItems",
+})
+
+
+def readable_by_xgrammar(schema: Any, *, close_objects: bool = True) -> Any:
+    """What xgrammar compiles for a schema outside its subset (validators check the whole schema):
+    each ``allOf`` folded into its node where its members say so plainly (their type, properties
+    and required merged in), and the keywords xgrammar cannot read dropped, so that it enforces
+    what it can, the root's type first. A folded object is closed like any other (``close_objects``)
+    unless a member lets undeclared properties in."""
+    if isinstance(schema, list):
+        return [readable_by_xgrammar(item, close_objects=close_objects) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in _DATA else readable_by_xgrammar(value, close_objects=close_objects)
+           for key, value in schema.items() if key not in _DROPPED_FOR_XGRAMMAR}
+    members = out.pop("allOf", None)
+    if not isinstance(members, list):
+        return out
+    opens = "additionalProperties" in out or "patternProperties" in out
+    for member in members:
+        if not isinstance(member, dict):
+            continue
+        if "type" in member and "type" not in out:
+            out["type"] = member["type"]
+        properties = member.get("properties")
+        if isinstance(properties, dict):
+            mine = out.setdefault("properties", {})
+            for name, sub in properties.items():
+                mine.setdefault(name, sub)
+        if isinstance(member.get("required"), list):
+            out["required"] = list(dict.fromkeys([*out.get("required", []), *member["required"]]))
+        opens = opens or "additionalProperties" in member or "patternProperties" in member
+    if close_objects and out.get("properties") and not opens:
+        out["additionalProperties"] = False
+    return out

@@ -3,6 +3,7 @@ and the auto backend's routing between xgrammar and llguidance."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -123,3 +124,60 @@ def test_a_recursive_schema_generates_within_its_cap(tokenizer: Any) -> None:
     deep = '{"value": 1, "children": [{"value": 2, "children": [{"value": 3'
     ids = tokenizer.encode(deep, add_special_tokens=False)
     assert not all(matcher.accept(t) for t in ids), "a third level is past the cap"
+
+
+def _accepts(grammar: Any, tokenizer: Any, text: str) -> bool:
+    matcher = grammar.matcher()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return all(matcher.accept(i) for i in ids) and bool(matcher.accept(tokenizer.eos_token_id))
+
+
+def test_required_properties_are_declared_where_nothing_reads_the_undeclared_ones() -> None:
+    import jsonschema
+
+    from radixgen.constraints.schema_rewrite import declare_required
+
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"],
+              "items": {"type": "object", "required": ["c"]}}
+    rewritten = declare_required(schema)
+    assert rewritten["properties"] == {"a": {"type": "string"}, "b": {}}
+    assert rewritten["items"]["properties"] == {"c": {}}
+    guarded = {"type": "object", "required": ["b"], "additionalProperties": {"type": "integer"}}
+    assert declare_required(guarded) == guarded, "b's value is additionalProperties' to check"
+    for instance in ({"a": "x", "b": 1}, {"a": "x"}, {"b": [1]}, {"a": 2, "b": None}, "text"):
+        assert jsonschema.Draft202012Validator(schema).is_valid(instance) == \
+            jsonschema.Draft202012Validator(rewritten).is_valid(instance), instance
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_required_property_the_schema_does_not_declare_is_generated_and_required(tokenizer: Any,
+                                                                                    backend: str) -> None:
+    """Closing the object forbade it (xgrammar could not write the valid answer, llguidance
+    refused the schema as unsatisfiable); and a grammar that did not require it let the model
+    copy the schema back ({"type": "object"}) for the validators to reject."""
+    engine = make_backend(backend, tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    grammar = engine.compile(schema_spec({"type": "object", "properties": {"a": {"type": "string"}},
+                                          "required": ["a", "b"]}))
+    assert _accepts(grammar, tokenizer, '{"a": "x", "b": 1}')
+    for copied in ('{"a": "x"}', '{"type": "object"}', "{}"):
+        assert not _accepts(grammar, tokenizer, copied), copied
+    bare = engine.compile(schema_spec({"type": "object", "required": ["name", "age"]}))
+    assert _accepts(bare, tokenizer, '{"name": "Ann", "age": 3}')
+    assert not _accepts(bare, tokenizer, '{"type": "object"}')
+
+
+@pytest.mark.parametrize("schema", [
+    {"allOf": [{"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+               {"not": {"required": ["b"]}}]},
+    {"type": "object", "allOf": [{"patternProperties": {"^p": {"type": "string"}}}, {"not": {"required": ["q"]}}]},
+])
+def test_xgrammar_keeps_the_root_type_of_a_schema_it_cannot_read_whole(tokenizer: Any, schema: dict[str, Any]) -> None:
+    """A root allOf made xgrammar accept any JSON: a string or an array where an object was
+    required, for the validators to reject five times. Folded and stripped of what it cannot
+    read, the root stays an object; the validators check the rest."""
+    grammar = make_backend("xgrammar", tokenizer, len(tokenizer), [tokenizer.eos_token_id]).compile(
+        schema_spec(schema))
+    assert not grammar.enforces_schema_exactly
+    for not_an_object in ('"python: [https://x]"', '[{"type": "object"}]', "[]", "12"):
+        assert not _accepts(grammar, tokenizer, not_an_object), not_an_object
+    assert _accepts(grammar, tokenizer, '{"a": "x"}' if "a" in json.dumps(schema) else '{"p1": "x"}')
