@@ -112,7 +112,12 @@ class LLGuidanceBackend(GrammarBackend):
             grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
         if failed:
-            raise InvalidConstraintError(f"cannot compile the {spec.kind.replace('_', ' ')}: {_first_line(messages)}")
+            why = _first_line(messages)
+            if spec.kind == "json_schema" and "nsatisfiable" in why and "@1" in json.dumps(schema):
+                why += (f" (its recursive definitions are unrolled {self.options.max_recursion_depth} levels deep, "
+                        "json_max_recursion_depth: one whose required properties refer back to itself has no "
+                        "instance that ends; make the recursive property optional or nullable)")
+            raise InvalidConstraintError(f"cannot compile the {spec.kind.replace('_', ' ')}: {why}")
         prototype = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if prototype.is_error():
             raise InvalidConstraintError(f"cannot compile the {spec.kind.replace('_', ' ')}: "

@@ -104,6 +104,9 @@ def _drop_false(node: dict[str, Any]) -> Any:
         if any(props[name] is False for name in required if name in props):
             return False
         node["properties"] = {name: sub for name, sub in props.items() if sub is not False}
+        if not node["properties"] and not {"additionalProperties", "patternProperties"} & node.keys():
+            # past the cap the object ends: an empty properties would read as "any object"
+            node["additionalProperties"] = False
     if node.get("items") is False and isinstance(node.get("minItems"), int) and node["minItems"] > 0:
         return False
     return node
@@ -198,7 +201,7 @@ def _refs_read_with_partners(node: Any, *, partnered: bool, found: set[str]) -> 
     if not isinstance(node, dict):
         return
     ref = node.get("$ref")
-    if isinstance(ref, str) and (partnered or set(node) - {"$ref"} - _ANNOTATIONS):
+    if isinstance(ref, str) and (partnered or set(node) - {"$ref"} - _ANNOTATIONS - _NOT_CONSTRAINTS):
         found.add(ref)
     adds_to_branches = bool(_SHAPE & node.keys())
     for key, value in node.items():
@@ -214,6 +217,8 @@ def _refs_read_with_partners(node: Any, *, partnered: bool, found: set[str]) -> 
 _SHAPE = frozenset({"properties", "patternProperties", "prefixItems", "items"})
 _ANNOTATIONS = frozenset({"description", "title", "default", "examples", "deprecated", "readOnly", "writeOnly",
                           "$comment"})
+# Beside a $ref these constrain nothing: a recursive schema's root is a $ref beside its definitions.
+_NOT_CONSTRAINTS = frozenset({"$defs", "definitions", "$schema", "$id"})
 
 
 def _close(node: Any, *, closable: bool, keep_open: frozenset[str], at: str = "#") -> Any:

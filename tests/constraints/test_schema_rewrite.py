@@ -181,3 +181,26 @@ def test_xgrammar_keeps_the_root_type_of_a_schema_it_cannot_read_whole(tokenizer
     for not_an_object in ('"python: [https://x]"', '[{"type": "object"}]', "[]", "12"):
         assert not _accepts(grammar, tokenizer, not_an_object), not_an_object
     assert _accepts(grammar, tokenizer, '{"a": "x"}' if "a" in json.dumps(schema) else '{"p1": "x"}')
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_recursive_root_is_closed_at_every_level_and_past_the_cap(tokenizer: Any, backend: str) -> None:
+    """The root of a schema that references itself is a $ref beside its definitions; read as a
+    $ref with partners it was left open, and the model wrote keys of its own at the top
+    ('{"pi": 3}' for a schema declaring only "d2n"); at the recursion cap, where the recursive
+    property drops out, the object read as any object."""
+    options = GrammarOptions(max_recursion_depth=2)
+    engine = make_backend(backend, tokenizer, len(tokenizer), [tokenizer.eos_token_id], options=options)
+    grammar = engine.compile(schema_spec({"type": "object", "properties": {"d2n": {"$ref": "#"}}}))
+    assert _accepts(grammar, tokenizer, '{"d2n": {}}') and _accepts(grammar, tokenizer, "{}")
+    for loose in ('{"pi": 3}', '{"d2n": {"pi": 3}}', '{"d2n": {"d2n": {}}}'):  # two levels: the root and one more
+        assert not _accepts(grammar, tokenizer, loose), loose
+
+
+def test_a_schema_whose_required_recursion_never_ends_is_refused_saying_why(tokenizer: Any) -> None:
+    from radixgen.errors import InvalidConstraintError
+
+    engine = make_backend("llguidance", tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    endless = {"type": "object", "properties": {"d2n": {"$ref": "#"}}, "required": ["d2n"]}
+    with pytest.raises(InvalidConstraintError, match="make the recursive property optional or nullable"):
+        engine.compile(schema_spec(endless))
