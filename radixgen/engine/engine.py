@@ -8,6 +8,7 @@ Results come back through a per-request callback that the loop calls.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import os
@@ -15,6 +16,7 @@ import queue
 import random
 import threading
 import uuid
+import weakref
 from collections.abc import AsyncGenerator, Callable, Generator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -43,6 +45,15 @@ from radixgen.models import LoadedModel
 logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
+
+
+def _shutdown_at_exit(engine: weakref.ref[Engine]) -> Callable[[], None]:
+    def shutdown() -> None:
+        alive = engine()
+        if alive is not None:
+            alive.shutdown()
+
+    return shutdown
 
 
 @dataclass
@@ -105,6 +116,11 @@ class Engine:
             self._stopped.set()
             self._started.set()
             raise
+        # An engine still running when the interpreter exits is shut down first: left to
+        # finalisation, a native worker thread (the grammar compiler's) was destroyed still
+        # joinable and the process aborted ('terminate called without an active exception').
+        self._at_exit = _shutdown_at_exit(weakref.ref(self))
+        atexit.register(self._at_exit)
 
     def _init_front(self, loaded: LoadedModel) -> None:
         self.tokenizer = loaded.tokenizer
@@ -293,6 +309,9 @@ class Engine:
                 self.abort(req.request_id)
 
     def shutdown(self) -> None:
+        at_exit = getattr(self, "_at_exit", None)
+        if at_exit is not None:
+            atexit.unregister(at_exit)
         self.constraints.shutdown()
         self._stopped.set()
         self._inbox.put(("wake", None))
