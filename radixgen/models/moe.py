@@ -42,7 +42,10 @@ class SparseMoE(nn.Module):
         flat_experts = experts.view(-1)
         order = torch.argsort(flat_experts, stable=True)
         token_of_pair = order // top_k  # pair p = token * k + slot
-        offsets = torch.cumsum(torch.bincount(flat_experts, minlength=self.spec.num_experts), 0).to(torch.int32)
+        # pairs per expert by a scatter: bincount on CUDA reads the largest id back to size its output
+        counts = torch.zeros(self.spec.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
         rows = x.index_select(0, token_of_pair)
         gate_up = torch._grouped_mm(rows, self.gate_up, offs=offsets)
         gate, up = gate_up.chunk(2, dim=-1)
