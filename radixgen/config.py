@@ -169,7 +169,8 @@ class EngineConfig:
     8, then steps of 8 up to ``cuda_graph_max_batch``), padded up to their bucket, so a step is
     a few launches instead of one per op (engine/graph_runner.py). Ignored on a CPU."""
     cuda_graph_max_batch: int = 256
-    """Largest decode batch run from a graph (capped at max_running_requests); larger ones run eagerly."""
+    """Largest decode batch run from a graph (capped at max_running_requests); larger ones run
+    eagerly; 0: none."""
     event_log: str | None = None
     """Path of a JSON-lines log with one record per scheduler step (off when None)."""
 
@@ -184,6 +185,8 @@ class EngineConfig:
         if self.device != "cpu" and self.weights in ("int8", "int4"):
             raise ValueError(f"weights {self.weights!r} runs on the CPU only for now; on {self.device} use "
                              "weights 'auto' or 'float' (GGUF blocks are dequantized to dtype at load)")
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError(f"cuda_graph_max_batch must be 0 (no graphs) or more, got {self.cuda_graph_max_batch}")
         for name in ("max_prefill_tokens", "max_mixed_prefill_tokens", "max_running_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -190,7 +190,7 @@ def create_decode_runner(model: CausalLM, attention: AttentionBackend, pool: KVP
     """CUDA graphs where asked for on a GPU with an attention backend that can be captured,
     else eager; the choice is logged."""
     on_cuda = pool.req_to_token.device.type == "cuda"
-    if on_cuda and cuda_graphs:
+    if on_cuda and cuda_graphs and max_batch >= 1:
         if attention.supports_decode_graphs:
             runner = CudaGraphDecode(model, attention, pool, decode_buckets(max_batch))
             runner.capture()

@@ -128,3 +128,11 @@ def test_backends_that_cannot_be_captured_say_so(make_engine: Callable[..., Engi
     assert not engine.runner.attention.supports_decode_graphs
     with pytest.raises(NotImplementedError, match="cannot run inside CUDA graphs"):
         engine.runner.attention.decode_graph_state(4, 128)
+
+
+def test_a_negative_graph_batch_cap_is_refused() -> None:
+    from radixgen import EngineConfig
+
+    with pytest.raises(ValueError, match="cuda_graph_max_batch must be 0"):
+        EngineConfig(cuda_graph_max_batch=-1)
+    assert EngineConfig(cuda_graph_max_batch=0).cuda_graph_max_batch == 0
