@@ -227,7 +227,9 @@ def _close(node: Any, *, closable: bool, keep_open: frozenset[str], at: str = "#
     out = dict(node)
     # a node whose alternatives add properties to its own is read together with them, too
     with_alternatives = bool({"anyOf", "oneOf"} & node.keys() and _SHAPE & node.keys())
-    mine = closable and at not in keep_open and not with_alternatives and not any(k in node for k in _CONJUNCTIVE)
+    partners = [k for k in _CONJUNCTIVE if k in node]
+    mine = (closable and at not in keep_open and not with_alternatives
+            and (not partners or (partners == ["dependentSchemas"] and _dependents_stay_declared(node))))
     for key, value in node.items():
         if key in _DATA_KEYWORDS:
             continue
@@ -252,6 +254,27 @@ def _close(node: Any, *, closable: bool, keep_open: frozenset[str], at: str = "#
     if mine and isinstance(node.get("prefixItems"), list) and "items" not in node:
         out["items"] = False
     return out
+
+
+_PLAIN_DEPENDENT = frozenset({"properties", "required", "description", "title", "$comment"})
+
+
+def _dependents_stay_declared(node: dict[str, Any]) -> bool:
+    """Each dependent schema only constrains properties its object declares (their values, which
+    of them are required): closing the object to its declared properties rejects nothing a
+    dependent schema would allow."""
+    declared = node.get("properties")
+    dependents = node.get("dependentSchemas")
+    if not isinstance(declared, dict) or not isinstance(dependents, dict):
+        return False
+    for sub in dependents.values():
+        if sub is True:
+            continue
+        if not isinstance(sub, dict) or not sub.keys() <= _PLAIN_DEPENDENT:
+            return False
+        if not set(sub.get("properties", {})) <= declared.keys() or not set(sub.get("required", [])) <= declared.keys():
+            return False
+    return True
 
 
 def _escape(name: str) -> str:

@@ -204,3 +204,17 @@ def test_a_schema_whose_required_recursion_never_ends_is_refused_saying_why(toke
     endless = {"type": "object", "properties": {"d2n": {"$ref": "#"}}, "required": ["d2n"]}
     with pytest.raises(InvalidConstraintError, match="make the recursive property optional or nullable"):
         engine.compile(schema_spec(endless))
+
+
+def test_an_object_whose_dependent_schemas_name_only_its_own_properties_is_closed() -> None:
+    """A dependent schema read with its object kept the object open, and the model filled it
+    with keys of its own ('{", d2n": ...}'); closing is safe where every dependent schema only
+    constrains properties the object declares."""
+    plain = {"type": "object", "properties": {"card": {"type": "string"}, "cvv": {"type": "string"}},
+             "dependentSchemas": {"card": {"required": ["cvv"]}}}
+    assert grammar_schema(plain)["additionalProperties"] is False
+    adds = {"type": "object", "properties": {"card": {"type": "string"}},
+            "dependentSchemas": {"card": {"properties": {"billing": {"type": "string"}}, "required": ["billing"]}}}
+    assert "additionalProperties" not in grammar_schema(adds), "closing would forbid what the dependent requires"
+    branching = {"type": "object", "properties": {"a": {}}, "dependentSchemas": {"a": {"anyOf": [{"required": ["a"]}]}}}
+    assert "additionalProperties" not in grammar_schema(branching)
