@@ -3,6 +3,7 @@ bounded and every backend reads it the same way. Validators keep the caller's ow
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,11 +38,10 @@ def declare_required(schema: Any) -> Any:
     declared with an empty schema, wherever no ``additionalProperties`` reads the undeclared ones:
     the same instances are valid, but a backend that generates (and requires) only declared
     properties now writes them, and closing the object no longer forbids them."""
-    if isinstance(schema, list):
-        return [declare_required(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: value if key in _DATA_KEYWORDS else declare_required(value) for key, value in schema.items()}
+    return _bottom_up(schema, _declare_required_here)
+
+
+def _declare_required_here(out: dict[str, Any]) -> dict[str, Any]:
     required = out.get("required")
     properties = out.get("properties", {})
     if (isinstance(required, list) and isinstance(properties, dict) and "additionalProperties" not in out
@@ -291,11 +291,10 @@ _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 
 def bound_numbers(schema: Any) -> Any:
     """A copy of ``schema`` whose integer and number schemas without a lower or upper bound get one."""
-    if isinstance(schema, list):
-        return [bound_numbers(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: value if key in _DATA_KEYWORDS else bound_numbers(value) for key, value in schema.items()}
+    return _bottom_up(schema, _bound_numbers_here)
+
+
+def _bound_numbers_here(out: dict[str, Any]) -> dict[str, Any]:
     types = out.get("type")
     types = types if isinstance(types, list) else [types]
     if ("integer" in types or "number" in types) and not {"enum", "const"} & out.keys():
@@ -305,3 +304,14 @@ def bound_numbers(schema: Any) -> Any:
         if "maximum" not in out and "exclusiveMaximum" not in out:
             out["maximum"] = bound
     return out
+
+
+def _bottom_up(schema: Any, rewrite: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
+    """A copy of ``schema`` with ``rewrite`` applied to every schema node, innermost first (the
+    data of enum, const, default and examples left as it is)."""
+    if isinstance(schema, list):
+        return [_bottom_up(item, rewrite) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return rewrite({key: value if key in _DATA_KEYWORDS else _bottom_up(value, rewrite)
+                    for key, value in schema.items()})

@@ -176,12 +176,7 @@ class EngineClient:
     async def shutdown(self) -> None:
         self._closing = True
         if self.attach is not None:  # the engine outlives its fronts: only let go of it
-            for task in self._tasks:
-                task.cancel()
-            if self._ctx is not None:
-                self._to_engine.close(linger=0)
-                self._from_engine.close(linger=0)
-                self._ctx.term()
+            self._let_go()
             return
         # a PUSH socket without a live peer blocks the send: a dead engine held the server's
         # shutdown until its supervisor killed it (30 s in the tests)
@@ -195,6 +190,10 @@ class EngineClient:
             await asyncio.to_thread(self._process.join, 20)
             if self._process.is_alive():
                 self._process.kill()
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Stop this front's tasks and close its sockets."""
         for task in self._tasks:
             task.cancel()
         if self._ctx is not None:
