@@ -155,6 +155,26 @@ def real_engine() -> Iterator[Engine]:
     engine.shutdown()
 
 
+class FinalOutputs:
+    """An ``on_output`` callback that keeps each request's final output; ``started`` is set at
+    the first token any of them streams."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.finals: dict[str, Any] = {}
+
+    def __call__(self, out: Any) -> None:
+        if out.new_token_ids:
+            self.started.set()
+        if out.finished:
+            self.finals[out.request_id] = out
+
+    def wait_for(self, count: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.finals) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
 def assert_no_leaks(engine: Engine) -> None:
     if not engine._thread.is_alive():
         return

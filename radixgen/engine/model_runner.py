@@ -106,7 +106,8 @@ class ModelRunner:
         self.weights = describe_weights(model)
         dense_from = self.kernel_choices.dense_min_tokens() if self.kernel_choices else None
         if dense_from is not None:
-            dense = sum(m.add_dense(pool.k.dtype, dense_from) for m in model.modules() if isinstance(m, QuantizedLinear))
+            quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]  # before each gains a child
+            dense = sum(m.add_dense(pool.k.dtype, dense_from) for m in quantized)
             self.weights += f"; steps of {dense_from}+ tokens on a dense {str(pool.k.dtype).removeprefix('torch.')} copy " \
                             f"({dense / 2**20:.0f} MiB more), measured faster here"
         logger.info("weights: %s", self.weights)
@@ -157,35 +158,32 @@ class ModelRunner:
     def forward_with(self, plan: StepPlan, extra: list[np.ndarray]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``forward``, with ``extra`` host arrays (the sampler's) uploaded in the step's one copy:
         (logits, those arrays on the device)."""
-        masks = [] if plan.bitmask is None else [plan.bitmask]
         padded = self.decode_runner.padded_size(plan)
         if padded is not None:  # a decode step the decode runner takes (CUDA graphs), padded to its bucket
             inputs = pad_decode(plan, padded)
-            uploaded = upload([*masks, *extra, inputs.input_ids, inputs.positions, inputs.logits_index,
-                               *self.attention.host_arrays(inputs.batch)], self.device)
-            bitmask = uploaded.pop(0) if masks else None
-            extra_uploaded, runner_arrays = uploaded[: len(extra)], uploaded[len(extra) :]
-            logits = self.decode_runner.run(inputs, runner_arrays)[: plan.batch_size]
-            if bitmask is not None:  # outside the graph (graph_runner.py says why)
-                apply_bitmask(logits, bitmask)
-            return logits, extra_uploaded
-        last = np.cumsum(plan.extend_lens) - 1
-        if plan.verify_counts is not None and plan.verify_counts.any():
-            verify_rows = [np.arange(end - m - 1, end - 1)
-                           for end, m in zip(last + 1, plan.verify_counts, strict=True) if m]
-            last = np.concatenate([last, *verify_rows])
-        if plan.prompt_scoring is not None:
-            last = np.concatenate([last, plan.prompt_scoring.token_index])
-        batch = plan.attention_batch()
+            batch, input_ids, positions, last = inputs.batch, inputs.input_ids, inputs.positions, inputs.logits_index
+        else:
+            last = np.cumsum(plan.extend_lens) - 1
+            if plan.verify_counts is not None and plan.verify_counts.any():
+                verify_rows = [np.arange(end - m - 1, end - 1)
+                               for end, m in zip(last + 1, plan.verify_counts, strict=True) if m]
+                last = np.concatenate([last, *verify_rows])
+            if plan.prompt_scoring is not None:
+                last = np.concatenate([last, plan.prompt_scoring.token_index])
+            batch, input_ids, positions = plan.attention_batch(), plan.input_ids, plan.positions
         # the step's inputs, the attention backend's index arrays and the grammar bitmask in one copy
-        input_ids, positions, logits_index, *rest = upload(
-            [plan.input_ids, plan.positions, last, *masks, *extra, *self.attention.host_arrays(batch)], self.device)
+        masks = [] if plan.bitmask is None else [plan.bitmask]
+        ids_d, positions_d, last_d, *rest = upload(
+            [input_ids, positions, last, *masks, *extra, *self.attention.host_arrays(batch)], self.device)
         bitmask = rest.pop(0) if masks else None
         extra_uploaded, attention_arrays = rest[: len(extra)], rest[len(extra) :]
-        metadata = self.attention.prepare_uploaded(batch, attention_arrays)
-        logits = self.model(input_ids, positions, self.attention, metadata, self.pool.k, self.pool.v, logits_index)
-        if bitmask is not None:  # in place, before penalties and bias, which keep -inf as it is
-            apply_bitmask(logits[: plan.batch_size], bitmask)
+        if padded is not None:
+            logits = self.decode_runner.run(inputs, [ids_d, positions_d, last_d, *attention_arrays])[: plan.batch_size]
+        else:
+            metadata = self.attention.prepare_uploaded(batch, attention_arrays)
+            logits = self.model(ids_d, positions_d, self.attention, metadata, self.pool.k, self.pool.v, last_d)
+        if bitmask is not None:  # in place, before penalties and bias, which keep -inf as it is; outside
+            apply_bitmask(logits[: plan.batch_size], bitmask)  # any CUDA graph (graph_runner.py says why)
         return logits, extra_uploaded
 
 

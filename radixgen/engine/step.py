@@ -249,11 +249,13 @@ class OverlapPipeline(StepPipeline):
         return keep
 
     def _fill_late_mask(self, plan: StepPlan) -> None:
+        """The lookahead step's masks, from the matchers as applying the step before left them.
+        The host buffer they are filled in is next written after the worker has used them."""
         assert self._pending is not None and self._pending.mask is not None
         mask = None
         try:
-            mask = self.constraints.host_bitmask(plan, self.scheduler.landed_rows(plan))
-            mask = None if mask is None else mask.copy()
+            if self.scheduler.kv.row_params.constrained[plan.rows].any():
+                mask = self.constraints.host_bitmask(plan, self.scheduler.landed_rows(plan))
         finally:  # the worker waits for it, whatever happened here
             self._pending.mask.give(mask)
 

@@ -6,8 +6,6 @@ invariant after each (``make_engine`` checks it)."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +14,7 @@ import torch
 
 from radixgen import Engine, EngineConfig, SamplingParams
 from radixgen.engine.output import FinishReason
-from tests.conftest import make_tiny_hf_model
+from tests.conftest import FinalOutputs, make_tiny_hf_model
 
 pytestmark = pytest.mark.cuda
 
@@ -86,21 +84,13 @@ def test_a_constrained_batch_on_the_gpu(make_engine: Callable[..., Engine]) -> N
 
 def test_an_abort_on_the_gpu_frees_everything(make_engine: Callable[..., Engine]) -> None:
     engine = make_engine(device="cuda")
-    started = threading.Event()
-    finals: dict[str, Any] = {}
+    outputs = FinalOutputs()
+    started, finals = outputs.started, outputs.finals
 
-    def on_output(out: Any) -> None:
-        if out.new_token_ids:
-            started.set()
-        if out.finished:
-            finals[out.request_id] = out
-
-    running = engine.add_request(PROMPTS[0], _greedy(900), on_output=on_output)
+    running = engine.add_request(PROMPTS[0], _greedy(900), on_output=outputs)
     assert started.wait(60)
     engine.abort(running.request_id)
-    deadline = time.monotonic() + 30
-    while not finals and time.monotonic() < deadline:
-        time.sleep(0.01)
+    outputs.wait_for(1)
     assert finals[running.request_id].finish_reason is FinishReason.ABORT
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from radixgen import Engine, FinishReason, SamplingParams
 from radixgen.errors import EngineDeadError, InvalidParamsError, PromptTooLongError
+from tests.conftest import FinalOutputs
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land far away", "1, 2, 3,", "Dear diary, today"]
 
@@ -66,23 +67,15 @@ def test_stop_string_trims_output_like_openai(tiny_engine: Engine) -> None:
 
 def test_abort_mid_decode_and_while_waiting(make_engine: Callable[..., Engine]) -> None:
     engine = make_engine(max_running_requests=1)
-    started = threading.Event()
-    finals: dict[str, Any] = {}
+    outputs = FinalOutputs()
+    started, finals = outputs.started, outputs.finals
 
-    def on_output(out: Any) -> None:
-        if out.new_token_ids:
-            started.set()
-        if out.finished:
-            finals[out.request_id] = out
-
-    running = engine.add_request(PROMPTS[0], greedy(900), on_output=on_output)
-    queued = engine.add_request(PROMPTS[1], greedy(900), on_output=on_output)
+    running = engine.add_request(PROMPTS[0], greedy(900), on_output=outputs)
+    queued = engine.add_request(PROMPTS[1], greedy(900), on_output=outputs)
     assert started.wait(30)
     engine.abort(queued.request_id)
     engine.abort(running.request_id)
-    deadline = time.monotonic() + 30
-    while len(finals) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    outputs.wait_for(2)
     assert finals[running.request_id].finish_reason is FinishReason.ABORT
     assert finals[queued.request_id].finish_reason is FinishReason.ABORT
     assert 0 < finals[running.request_id].completion_tokens < 900

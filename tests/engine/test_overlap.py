@@ -7,7 +7,6 @@ checks the pool after each test)."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 
 from radixgen import Engine, FinishReason, SamplingParams
 from radixgen.engine.step import OverlapPipeline, StepPipeline
+from tests.conftest import FinalOutputs
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "1, 2, 3, 4,"]
 
@@ -125,16 +125,10 @@ def test_retraction_under_a_small_pool_works_with_overlap(make_engine: Callable[
 
 def test_aborts_during_overlapped_steps_free_everything(make_engine: Callable[..., Engine]) -> None:
     engine = make_engine(overlap=True)
-    started = threading.Event()
-    finals: dict[str, Any] = {}
+    outputs = FinalOutputs()
+    started, finals = outputs.started, outputs.finals
 
-    def on_output(out: Any) -> None:
-        if out.new_token_ids:
-            started.set()
-        if out.finished:
-            finals[out.request_id] = out
-
-    handles = [engine.add_request(p, greedy(900, ignore_eos=True), on_output=on_output) for p in PROMPTS]
+    handles = [engine.add_request(p, greedy(900, ignore_eos=True), on_output=outputs) for p in PROMPTS]
     assert started.wait(30)
     time.sleep(0.2)  # let the decode steps chain up
     assert _lookaheads(engine) > 0
@@ -143,9 +137,7 @@ def test_aborts_during_overlapped_steps_free_everything(make_engine: Callable[..
     time.sleep(0.1)
     for h in handles[2:]:
         engine.abort(h.request_id)
-    deadline = time.monotonic() + 30
-    while len(finals) < 4 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    outputs.wait_for(4)
     assert {f.finish_reason for f in finals.values()} == {FinishReason.ABORT}
     assert all(0 < f.completion_tokens < 900 for f in finals.values())
     # a request after the aborts is served from a balanced pool
