@@ -44,10 +44,11 @@ def declare_required(schema: Any) -> Any:
 def _declare_required_here(out: dict[str, Any]) -> dict[str, Any]:
     required = out.get("required")
     properties = out.get("properties", {})
-    if (isinstance(required, list) and isinstance(properties, dict) and "additionalProperties" not in out
-            and any(isinstance(name, str) and name not in properties for name in required)):
-        out["properties"] = {**properties, **{name: {} for name in required
-                                              if isinstance(name, str) and name not in properties}}
+    if not isinstance(required, list) or not isinstance(properties, dict) or "additionalProperties" in out:
+        return out
+    undeclared = {name: {} for name in required if isinstance(name, str) and name not in properties}
+    if undeclared:
+        out["properties"] = {**properties, **undeclared}
     return out
 
 

@@ -181,6 +181,5 @@ class DeltaReader:
             _, ids, prompt, cached = columns
             for request_id, token, text, n, p, c in zip(ids, tokens, texts or [""] * len(ids), completion, prompt,
                                                        cached, strict=True):
-                yield RequestOutput(request_id=request_id, new_token_ids=[token], new_text=text, finished=False, prompt_tokens=p,
-                                    completion_tokens=n,
-                                    cached_tokens=c)
+                yield RequestOutput(request_id=request_id, new_token_ids=[token], new_text=text, finished=False,
+                                    prompt_tokens=p, completion_tokens=n, cached_tokens=c)

@@ -70,7 +70,7 @@ class RowParams:
         self.max_new[row] = p.max_new_tokens
         self.ignore_eos[row] = p.ignore_eos
         self.fast_lane[row] = (req.constraint is None and not p.stop
-                           and not p.stop_token_ids and not p.logprobs and not p.top_logprobs)
+                               and not p.stop_token_ids and not p.logprobs and not p.top_logprobs)
         self.cached_tokens[row] = req.cached_tokens
         self.request_id[row] = req.request_id
         deltas = req.delta_sink
