@@ -19,19 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import print_table, trees_to_measure, write_json  # noqa: E402
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    name = fields.get("Model name", "unknown").strip()
-    flags = set(fields.get("Flags", "").split())
-    wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile") if f in flags]
-    return f"{name} ({' '.join(wanted) or 'no AVX2'})"
+from benchmarks.common import cpu_model, print_table, trees_to_measure, write_json  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:

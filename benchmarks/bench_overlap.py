@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_decode_rate import cpu_model  # noqa: E402
 from benchmarks.common import machine, print_table, write_json  # noqa: E402
 from radixgen import Engine, EngineConfig, SamplingParams  # noqa: E402
 from radixgen.engine.step import OverlapPipeline  # noqa: E402
@@ -80,7 +79,7 @@ def main() -> None:
         rows.append({"workload": name, "sequential tok/s": seq, "overlap tok/s": ovl, "ratio": ovl / seq,
                      "rounds": " ".join(f"{a:.1f}/{b:.1f}" for a, b in
                                         zip(rates[(name, "sequential")], rates[(name, "overlap")], strict=True))})
-    info = machine() | {"cpu": cpu_model()}
+    info = machine()
     print(f"{info['cpu']}, {info['threads']} threads; {args.dtype}, weights {args.weights}; overlapped engine: {counts}")
     print_table(rows, list(rows[0]))
     write_json("bench_overlap", {"machine": info, "dtype": args.dtype, "weights": args.weights, "rows": rows,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import platform
 import random
@@ -37,14 +38,34 @@ def prompts_of_lengths(tokenizer: Any, lengths: list[int], seed: int = 0) -> lis
     return out
 
 
+CPU_FLAGS_SHOWN = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile")
+"""The flags that decide which kernels win (issue 43): printed with every table."""
+
+
+@functools.cache
+def cpu_model() -> str:
+    """``lscpu``'s model name with the speed-deciding flags it lists, e.g. 'AMD EPYC (avx2)'."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    name = fields.get("Model name", "unknown").strip()
+    flags = set(fields.get("Flags", "").split())
+    wanted = [f for f in CPU_FLAGS_SHOWN if f in flags]
+    return f"{name} ({' '.join(wanted) or 'no AVX2'})"
+
+
 def machine() -> dict[str, Any]:
     return {
         "python": platform.python_version(), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "processor": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
     }
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    print(f"CPU: {cpu_model()}")
     widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
     print("  ".join(c.rjust(widths[c]) for c in columns))
     for r in rows:

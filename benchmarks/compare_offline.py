@@ -148,8 +148,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--weights", default="float", choices=["float", "int8", "int4"],
-                        help="radixgen's weights (vLLM runs the float checkpoint; float is like-for-like)")
+    parser.add_argument("--weights", default="float", choices=["float", "int8", "int4", "auto"],
+                        help="radixgen's weights (vLLM runs the float checkpoint; float is like-for-like, auto "
+                             "is radixgen's default: on the bundled GGUF its own Q4_1 blocks)")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1,
