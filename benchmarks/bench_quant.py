@@ -5,11 +5,11 @@ prompt tokens at batch 1 when its virtualenv exists (``$RADIXGEN_PEERS/llamacpp`
 
 Each configuration runs in its own subprocess, one after the other (two runtimes in one process
 slow each other's thread teams). Greedy, EOS ignored, radix cache off, prompts of 128 tokens,
-``--new-tokens`` (64) each; batch sizes ``--batch-sizes`` (1,8,64). Reported: output tokens per
+``--new-tokens`` (64) each; batch sizes ``--batch-sizes`` (1,8,32,64). Reported: output tokens per
 second end to end (the prompt's prefill included), the decode rate after the first token, the
 time to it, and the bytes of weights each engine holds.
 
-    python benchmarks/bench_quant.py [--model PATH.gguf] [--batch-sizes 1,8,64] [--new-tokens 64]
+    python benchmarks/bench_quant.py [--model PATH.gguf] [--batch-sizes 1,8,32,64] [--new-tokens 64]
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def run(kind: str, args: argparse.Namespace, weights: str = "", dtype: str = "")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a .gguf file (default: the bundled SmolLM2 Q4_1)")
-    parser.add_argument("--batch-sizes", default="1,8,64")
+    parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     parser.add_argument("--configs", default=",".join(f"{w}:{d}" for w, d in CONFIGS),

@@ -38,22 +38,14 @@ def prompts_of_lengths(tokenizer: Any, lengths: list[int], seed: int = 0) -> lis
     return out
 
 
-CPU_FLAGS_SHOWN = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile")
-"""The flags that decide which kernels win (issue 43): printed with every table."""
-
-
 @functools.cache
 def cpu_model() -> str:
-    """``lscpu``'s model name with the speed-deciding flags it lists, e.g. 'AMD EPYC (avx2)'."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    name = fields.get("Model name", "unknown").strip()
-    flags = set(fields.get("Flags", "").split())
-    wanted = [f for f in CPU_FLAGS_SHOWN if f in flags]
-    return f"{name} ({' '.join(wanted) or 'no AVX2'})"
+    """The CPU's model name with the flags that decide which kernels win, e.g. 'AMD EPYC (avx2)':
+    the label kernel tuning logs (imported here, not at the top: peer workers run this file from
+    their own virtualenvs)."""
+    from radixgen.models.tuning import CpuFeatures
+
+    return CpuFeatures.detect().label()
 
 
 def machine() -> dict[str, Any]:
