@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import cpu_model, print_table, trees_to_measure, write_json  # noqa: E402
+from benchmarks.common import print_table, trees_to_measure, write_json  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -70,11 +70,10 @@ def main() -> None:
     batches = args.batch_sizes.split(",")
     rows = [{"tree": label, **{f"b{b}_tok_s": statistics.median(s[b] for s in runs) for b in batches}}
             for label, runs in samples.items()]
-    machine = cpu_model()
-    print(f"{machine}; weights {args.weights}, dtype {args.dtype}; median of {args.rounds} alternating rounds, "
+    print(f"weights {args.weights}, dtype {args.dtype}; median of {args.rounds} alternating rounds, "
           f"each the best of {args.reps}")
     print_table(rows, ["tree", *[f"b{b}_tok_s" for b in batches]])
-    print("wrote", write_json("bench_decode_rate", {"cpu": machine, "weights": args.weights, "dtype": args.dtype,
+    print("wrote", write_json("bench_decode_rate", {"weights": args.weights, "dtype": args.dtype,
                                                     "rows": rows, "samples": samples}))
 
 
