@@ -46,7 +46,7 @@ def _declare_required_here(out: dict[str, Any]) -> dict[str, Any]:
     properties = out.get("properties", {})
     if not isinstance(required, list) or not isinstance(properties, dict) or "additionalProperties" in out:
         return out
-    undeclared = {name: {} for name in required if isinstance(name, str) and name not in properties}
+    undeclared: dict[str, dict[str, Any]] = {name: {} for name in required if isinstance(name, str) and name not in properties}
     if undeclared:
         out["properties"] = {**properties, **undeclared}
     return out
