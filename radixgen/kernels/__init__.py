@@ -29,7 +29,7 @@ from radixgen.kernels import ops  # noqa: F401  # defines the fused ops before t
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in (
-    "kernels.cpp", "decode_attention.cpp", "prefill_attention.cpp", "small_linear.cpp", "fused_ops.cpp", "quant_linear.cpp", "common.h")]
+    "kernels.cpp", "decode_attention.cpp", "prefill_attention.cpp", "prefill_attention_float.cpp", "small_linear.cpp", "fused_ops.cpp", "quant_linear.cpp", "common.h")]
 _UNIT = "kernels.cpp"  # includes the other sources
 # the ops only the extension defines (the attention kernels); the fused layer ops' schemas are
 # defined in ops.py, and the extension adds their CPU kernels
@@ -49,17 +49,22 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _build_dir() -> Path:
-    """One folder per torch version, machine and kernel sources: torch's builder hashes the
-    .cpp files it is given but not the header they share."""
+def source_digest() -> str:
+    """A hash of the kernel sources: names a build, and the tuning measured with it."""
     import hashlib
-
-    from radixgen.paths import cache_dir
 
     digest = hashlib.sha256()
     for path in _SOURCES:
         digest.update(path.read_bytes())
-    tag = f"torch{torch.__version__.replace('+', '_')}-{platform.machine()}-{digest.hexdigest()[:12]}"
+    return digest.hexdigest()[:12]
+
+
+def _build_dir() -> Path:
+    """One folder per torch version, machine and kernel sources: torch's builder hashes the
+    .cpp files it is given but not the header they share."""
+    from radixgen.paths import cache_dir
+
+    tag = f"torch{torch.__version__.replace('+', '_')}-{platform.machine()}-{source_digest()}"
     path = cache_dir() / "kernels" / tag
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -77,8 +82,9 @@ class CpuKernels:
     shared_prefix_attention: Any
 
     def prefill_attention_for(self, dtype: torch.dtype) -> Any:
-        """The prefill kernel where it is the faster path (bfloat16 on a CPU with AVX-512 BF16;
-        elsewhere its plain loops are not known to beat PyTorch's flash kernel), else None."""
+        """The prefill kernel where the fixed rule takes it (bfloat16 on a CPU with AVX-512 BF16;
+        elsewhere its plain loops are not known to beat PyTorch's flash kernel), else None. Its
+        float32 path (AVX2) is taken where tuning measures it faster (models/tuning.py)."""
         return self.prefill_attention if dtype == torch.bfloat16 and self.prefill_attention_native() else None
 
     def shared_prefix_attention_for(self, dtype: torch.dtype, head_dim: int) -> Any:

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -363,9 +364,12 @@ void attend_query_block(const uint16_t* q, int64_t q_stride, int64_t num_rows, i
 
 }  // namespace
 
-bool prefill_attention_native() {
+// Whether the fast path for `dtype` is built here: bfloat16 needs AVX-512 BF16 (elsewhere its
+// plain loops run), float32 AVX2 and FMA (elsewhere the op refuses float32).
+bool prefill_attention_native(std::optional<at::ScalarType> dtype) {
+  if (dtype.value_or(at::kBFloat16) == at::kFloat) return radixgen::float_prefill::available();
 #ifdef RADIXGEN_BF16_DOT
-  return true;
+  return dtype.value_or(at::kBFloat16) == at::kBFloat16;
 #else
   return false;
 #endif
@@ -376,9 +380,10 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
                              int64_t window, double softcap) {
   TORCH_CHECK(q.device().is_cpu(), "prefill_attention is the CPU kernel");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [T,H,D], caches [S,KVH,D]");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16,
-              "prefill_attention runs bfloat16 q and caches");
+  const bool float32 = q.scalar_type() == at::kFloat;
+  TORCH_CHECK((float32 || q.scalar_type() == at::kBFloat16) && k_cache.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(),
+              "prefill_attention runs bfloat16 or float32 q and caches of q's dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
   TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv heads");
@@ -417,6 +422,10 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
     item_start[b + 1] = item_start[b] + heads * ((extend_of[b] + kQueryBlock - 1) / kQueryBlock);
   }
   TORCH_CHECK(tokens_seen == tokens, "extend_lens sum to ", tokens_seen, " but q has ", tokens, " tokens");
+  if (float32)
+    return radixgen::float_prefill::attend(q, k_cache, v_cache, req_to_token, {row_of, row_of + batch},
+                                           {prefix_of, prefix_of + batch}, {extend_of, extend_of + batch},
+                                           query_start, first_key, scale, window, softcap);
 
   const int64_t words_per_head = pack_offset[batch];
   PackBuffers oversized;
@@ -564,7 +573,7 @@ TORCH_LIBRARY_FRAGMENT(radixgen, m) {
   m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor rows, "
         "Tensor prefix_lens, Tensor extend_lens, float scale, int window=0, float softcap=0.0) -> Tensor");
   m.impl("prefill_attention", c10::DispatchKey::CPU, TORCH_FN(prefill_attention));
-  m.def("prefill_attention_native() -> bool");
+  m.def("prefill_attention_native(ScalarType? dtype=None) -> bool");
   m.def("shared_prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor rows, "
         "Tensor shared_prefix, Tensor group_leader, float scale, float softcap=0.0) -> (Tensor, Tensor, Tensor)");
   m.impl("shared_prefix_attention", c10::DispatchKey::CPU, TORCH_FN(shared_prefix_attention));

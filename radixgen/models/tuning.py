@@ -4,7 +4,7 @@ a short timing on the model's own shapes picks among the rest.
 The same kernel can win on one CPU and lose on another: the native bf16 prefill attention is ~4x
 faster than SDPA on an AMD EPYC with AVX-512 BF16 and 0.25-0.35x of it on a Xeon whose oneDNN
 runs SDPA's matmuls on AMX tiles (benchmarks/README.md). So every op with more than one
-implementation is timed once per machine, torch version, thread count and model shape, and the
+implementation is timed once per machine, torch version, kernel build, thread count and model shape, and the
 result cached under ``$RADIXGEN_CACHE/tuning`` beside the built kernels; ``radixgen tune``
 times again. An implementation the machine cannot run is skipped with its reason, never timed
 or chosen. ``EngineConfig.tune_kernels=False`` keeps the fixed rules instead.
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from radixgen.kernels import CpuKernels
+from radixgen.kernels import CpuKernels, source_digest
 from radixgen.models.attention.base import AttentionBatch, LayerAttention
 from radixgen.models.attention.cpu import CpuAttention
 from radixgen.models.decoder import CausalLM
@@ -209,8 +209,10 @@ def _choose_prefill(model: CausalLM, dtype: torch.dtype, kernels: CpuKernels | N
     native_missing = None
     if kernels is None:
         native_missing = "the native kernels are not built on this machine"
-    elif dtype != torch.bfloat16:
-        native_missing = "the native prefill kernel takes bfloat16 pools only"
+    elif dtype not in (torch.bfloat16, torch.float32):
+        native_missing = "the native prefill kernel takes bfloat16 or float32 pools"
+    elif not kernels.prefill_attention_native(dtype) and dtype == torch.float32:
+        native_missing = "the float32 prefill kernel needs AVX2 and FMA"
     rule_native = kernels is not None and kernels.prefill_attention_for(dtype) is not None
     implementations = [Implementation("native", native_missing), Implementation("sdpa")]
     if not rule_native:
@@ -322,7 +324,8 @@ def _cache_key(features: CpuFeatures, model: CausalLM, dtype: torch.dtype, threa
     linears = [len(plain), sorted({(tuple(m.weight.shape), str(m.weight.dtype), m._packed is not None) for m in plain})]
     signature = {
         "cpu": features.model_name, "flags": sorted(features.flags & set(CPU_FLAGS)), "torch": torch.__version__,
-        "threads": threads, "kernels": kernels is not None, "dtype": str(dtype),
+        # changed kernels may run faster or offer another implementation: time them again
+        "threads": threads, "kernels": source_digest() if kernels is not None else None, "dtype": str(dtype),
         "attention": [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim], "linears": linears,
         "quantized": sorted({(m.out_features, m.in_features, m.bits) for m in model.modules()
                              if isinstance(m, QuantizedLinear)}),

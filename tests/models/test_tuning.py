@@ -3,6 +3,7 @@ capabilities and timings, the cache, and an engine running what was chosen."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -80,9 +81,19 @@ def tiny_model(tiny_model_dir: Path) -> Any:
     return load_model(str(tiny_model_dir)).model
 
 
-def test_the_native_prefill_is_skipped_for_float32_and_without_kernels(tiny_model: Any) -> None:
-    fp32 = tuning._choose_prefill(tiny_model, torch.float32, cpu_kernels())
-    assert fp32.chosen == "sdpa" and "bfloat16" in fp32.skipped["native"]
+@pytest.mark.skipif(cpu_kernels() is None, reason="the native kernels do not build here")
+def test_the_native_prefill_is_timed_where_it_runs_and_skipped_with_its_reason(tiny_model: Any) -> None:
+    kernels = cpu_kernels()
+    assert kernels is not None
+    fp16 = tuning._choose_prefill(tiny_model, torch.float16, kernels)
+    assert fp16.chosen == "sdpa" and "bfloat16 or float32" in fp16.skipped["native"]
+    # a build without the float32 path (no AVX2): skipped with the reason, never timed or chosen
+    without_avx2 = dataclasses.replace(kernels, prefill_attention_native=lambda dtype=None: dtype != torch.float32)
+    fp32 = tuning._choose_prefill(tiny_model, torch.float32, without_avx2)
+    assert fp32.chosen == "sdpa" and "AVX2" in fp32.skipped["native"] and fp32.times_ms == {}
+    if kernels.prefill_attention_native(torch.float32):
+        timed = tuning._choose_prefill(tiny_model, torch.float32, kernels)
+        assert set(timed.times_ms) == {"native", "sdpa"} and not timed.skipped
     no_kernels = tuning._choose_decode(tiny_model, torch.float32, None)
     assert no_kernels.chosen == "sdpa" and "not built" in no_kernels.skipped["native"]
 
@@ -155,7 +166,12 @@ def test_radixgen_tune_prints_and_caches_the_choices(
     assert "1 threads, float32" in out
     for op in ("prefill_attention", "decode_attention", "linear_1_token"):
         assert op in out
-    assert "native skipped: the native prefill kernel takes bfloat16 pools only" in out
+    prefill = next(line for line in out.splitlines() if line.startswith("prefill_attention"))
+    kernels = cpu_kernels()
+    if kernels is not None and kernels.prefill_attention_native(torch.float32):
+        assert " ms" in prefill.split("native", 1)[1] and "sdpa " in prefill  # both timed
+    else:
+        assert "native skipped:" in prefill
     assert len(list(tuning_cache.glob("*.json"))) == 1
 
 

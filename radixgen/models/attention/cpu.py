@@ -439,7 +439,9 @@ class CpuAttention(AttentionBackend):
         self.shared_prefix_kernel = kernels.shared_prefix_attention_for(dtype, head_dim) if kernels else None
         # the implementations measured fastest on this machine (models/tuning.py) over the rules above
         choices = choices or {}
-        if kernels is not None and choices.get("prefill_attention") == "native" and dtype == torch.bfloat16:
+        native_runs = dtype == torch.bfloat16 or (dtype == torch.float32 and kernels is not None
+                                                  and kernels.prefill_attention_native(dtype))
+        if kernels is not None and choices.get("prefill_attention") == "native" and native_runs:
             self.prefill_kernel = kernels.prefill_attention
         elif choices.get("prefill_attention") == "sdpa":
             self.prefill_kernel = None
