@@ -88,46 +88,30 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)));
 }
 
-// scores[r][j0 + 0..15] = q[r] . key j0 + 0..15, for kRows rows (q row stride dim). The
-// accumulators are one-dimensional arrays: GCC kept a two-dimensional one on the stack and
-// stored it back on every step of the loop.
+// c[r][0..16) = (accumulate ? c[r][0..16) : 0) + sum_i a[r][i] * b[i][0..16) for kRows rows: one
+// broadcast of a per row and two loads of b per step. Scores are q x packed keys (depth: dim),
+// P.V is probs x values (depth: keys). The accumulators are one-dimensional arrays and the row
+// loops unrolled by pragma: GCC kept a two-dimensional one on the stack and stored it back on
+// every step.
 template <int kRows>
-inline void score_tile(const float* q, const float* kt, int64_t dim, float* scores) {
+inline void tile_16(const float* a, int64_t a_stride, const float* b, int64_t b_stride, int64_t depth, float* c,
+                    int64_t c_stride, bool accumulate) {
   __m256 low[kRows], high[kRows];
-  _Pragma("GCC unroll 8") for (int r = 0; r < kRows; ++r) low[r] = high[r] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < dim; ++d) {
-    const __m256 k0 = _mm256_loadu_ps(kt + d * kKeys), k1 = _mm256_loadu_ps(kt + d * kKeys + 8);
+  _Pragma("GCC unroll 8") for (int r = 0; r < kRows; ++r) {
+    low[r] = accumulate ? _mm256_loadu_ps(c + r * c_stride) : _mm256_setzero_ps();
+    high[r] = accumulate ? _mm256_loadu_ps(c + r * c_stride + 8) : _mm256_setzero_ps();
+  }
+  for (int64_t i = 0; i < depth; ++i) {
+    const __m256 b0 = _mm256_loadu_ps(b + i * b_stride), b1 = _mm256_loadu_ps(b + i * b_stride + 8);
     _Pragma("GCC unroll 8") for (int r = 0; r < kRows; ++r) {
-      const __m256 qd = _mm256_broadcast_ss(q + r * dim + d);
-      low[r] = _mm256_fmadd_ps(qd, k0, low[r]);
-      high[r] = _mm256_fmadd_ps(qd, k1, high[r]);
+      const __m256 ar = _mm256_broadcast_ss(a + r * a_stride + i);
+      low[r] = _mm256_fmadd_ps(ar, b0, low[r]);
+      high[r] = _mm256_fmadd_ps(ar, b1, high[r]);
     }
   }
   _Pragma("GCC unroll 8") for (int r = 0; r < kRows; ++r) {
-    _mm256_storeu_ps(scores + r * kKeys, low[r]);
-    _mm256_storeu_ps(scores + r * kKeys + 8, high[r]);
-  }
-}
-
-// out[r][d0 + 0..16) += sum_j probs[r][j] * values[j][d0 + ...], for kRows rows.
-template <int kRows>
-inline void value_tile(const float* probs, const float* values, int64_t keys, int64_t dim, float* out) {
-  __m256 low[kRows], high[kRows];
-  _Pragma("GCC unroll 8") for (int r = 0; r < kRows; ++r) {
-    low[r] = _mm256_loadu_ps(out + r * dim);
-    high[r] = _mm256_loadu_ps(out + r * dim + 8);
-  }
-  for (int64_t j = 0; j < keys; ++j) {
-    const __m256 v0 = _mm256_loadu_ps(values + j * dim), v1 = _mm256_loadu_ps(values + j * dim + 8);
-    _Pragma("GCC unroll 8") for (int r = 0; r < kRows; ++r) {
-      const __m256 p = _mm256_broadcast_ss(probs + r * kKeys + j);
-      low[r] = _mm256_fmadd_ps(p, v0, low[r]);
-      high[r] = _mm256_fmadd_ps(p, v1, high[r]);
-    }
-  }
-  _Pragma("GCC unroll 8") for (int r = 0; r < kRows; ++r) {
-    _mm256_storeu_ps(out + r * dim, low[r]);
-    _mm256_storeu_ps(out + r * dim + 8, high[r]);
+    _mm256_storeu_ps(c + r * c_stride, low[r]);
+    _mm256_storeu_ps(c + r * c_stride + 8, high[r]);
   }
 }
 
@@ -136,12 +120,12 @@ void block_tiles(const float* q, const PackedKV& kv, int64_t blk, int64_t keys, 
                  const float* probs, float* out, bool values_pass) {
   if (!values_pass) {
     const float* kt = kv.keys + blk * dim * kKeys;
-    for (int64_t j0 = 0; j0 < keys; j0 += 16) score_tile<kRows>(q, kt + j0, dim, scores + j0);
+    for (int64_t j0 = 0; j0 < keys; j0 += 16) tile_16<kRows>(q, dim, kt + j0, kKeys, dim, scores + j0, kKeys, false);
     return;
   }
   const float* vb = kv.values + blk * kKeys * dim;
   int64_t d0 = 0;
-  for (; d0 + 16 <= dim; d0 += 16) value_tile<kRows>(probs, vb + d0, keys, dim, out + d0);
+  for (; d0 + 16 <= dim; d0 += 16) tile_16<kRows>(probs, kKeys, vb + d0, dim, keys, out + d0, dim, true);
   for (int r = 0; r < kRows; ++r)  // dims past the last multiple of 16
     for (int64_t d = d0; d < dim; ++d) {
       float sum = out[r * dim + d];
