@@ -237,11 +237,14 @@ void attend_item(const float* q, int64_t q_token_stride, int64_t group, int64_t 
 }
 
 // Packed K/V of a call, per calling thread, grown and never shrunk (fresh pages each call
-// would fault as much as the packing costs).
-std::vector<float>& pack_buffer(int64_t floats) {
+// would fault as much as the packing costs), up to a bound: a rare huge prefill step packs into
+// `oversized`, freed with the call, so it does not pin its size for the process's life.
+constexpr int64_t kKeptPackFloats = int64_t{8} << 20;  // 32 MiB for K and V, as the bf16 kernel keeps
+float* pack_buffer(int64_t floats, std::vector<float>& oversized) {
   thread_local std::vector<float> buffer;
-  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
-  return buffer;
+  std::vector<float>& chosen = floats > kKeptPackFloats ? oversized : buffer;
+  if (static_cast<int64_t>(chosen.size()) < floats) chosen.resize(floats);
+  return chosen.data();
 }
 
 #endif  // RADIXGEN_FLOAT_PREFILL
@@ -273,7 +276,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     item_start[b + 1] = item_start[b] + kv_heads * ((extend_of[b] + kPositions - 1) / kPositions);
   }
   const int64_t per_head = pack_offset[batch];
-  float* keys = pack_buffer(2 * per_head * kv_heads).data();
+  std::vector<float> oversized;
+  float* keys = pack_buffer(2 * per_head * kv_heads, oversized);
   float* values = keys + per_head * kv_heads;
   const float* k_ptr = k_cache.data_ptr<float>();
   const float* v_ptr = v_cache.data_ptr<float>();

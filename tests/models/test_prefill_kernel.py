@@ -157,3 +157,16 @@ def test_kernel_refuses_mixed_or_other_dtypes(kernels) -> None:
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
         _run(kernels.prefill_attention, torch.zeros(10, 2, 16, dtype=torch.float16), k_cache.half(), v_cache.half(),
              req_to_token, [0], [0], [10], 0.25)
+
+
+def test_a_prefill_step_larger_than_the_kept_pack_buffer_matches_too(kernel, dtype) -> None:
+    """Both kernels keep their packing buffers between calls up to a bound (32 MiB), and pack a
+    larger step into a buffer of its own; that path must give the same attention."""
+    heads, kv_heads, head_dim = 2, 1, 128
+    # keys x 128 dims x K and V past 32 MiB: 33k in float32, 66k in the bf16 kernel's word pairs
+    prefix_lens, extend_lens, rows = [33_000 if dtype == torch.float32 else 66_000], [20], [0]
+    k_cache, v_cache, req_to_token, g = _pool(kv_heads, head_dim, prefix_lens, extend_lens, rows, 3, dtype)
+    q = torch.randn(sum(extend_lens), heads, head_dim, generator=g).to(dtype)
+    out = _run(kernel, q, k_cache, v_cache, req_to_token, rows, prefix_lens, extend_lens, head_dim**-0.5)
+    expected = _reference(q, k_cache, v_cache, req_to_token, rows, prefix_lens, extend_lens, head_dim**-0.5)
+    torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=0)
