@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import print_table, write_json  # noqa: E402
+from benchmarks.common import chat_prompts, first_differences, print_table, write_json  # noqa: E402
 from radixgen import Engine, EngineConfig, SamplingParams  # noqa: E402
 from radixgen.engine.plan import StepKind, StepPlan  # noqa: E402
 from radixgen.kernels import cpu_kernels  # noqa: E402
@@ -60,20 +60,17 @@ def _case(requests: int, prefix: int, extend: int, dtype: torch.dtype) -> tuple[
 
 
 def answers_agree(dtype: str) -> dict[str, Any]:
-    from benchmarks.probe_int8_activations import ASKS, TOPICS
-
     engine = Engine(EngineConfig(dtype=dtype, kv_cache_gb=1.0, disable_radix_cache=True))  # type: ignore[arg-type]
     attention = engine.runner.attention
     kernel = attention.prefill_kernel
-    prompts = [engine.apply_chat_template([{"role": "user", "content": a.format(t)}]) for t in TOPICS for a in ASKS]
+    prompts = chat_prompts(engine)
     params = SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True)
     got = {}
     for name, prefill in (("kernel", kernel), ("sdpa", None)):
         attention.prefill_kernel = prefill
         got[name] = [o.token_ids for o in engine.generate(prompts, params)]
     engine.shutdown()
-    pairs = list(zip(got["kernel"], got["sdpa"], strict=True))
-    first = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x)) for x, y in pairs]
+    first = first_differences(got["sdpa"], got["kernel"])
     return {"engine_uses_kernel": kernel is not None, "identical": sum(f == 64 for f in first), "of": len(first),
             "first_differences": sorted(f for f in first if f < 64)}
 

@@ -27,6 +27,27 @@ _PARAGRAPH = (
 )
 
 
+# 64 chat requests (8 topics x 8 asks) for checks that compare greedy answers between two ways
+# of computing the same model
+TOPICS = ["the ocean", "a steam engine", "photosynthesis", "the Roman empire", "prime numbers", "a chess opening",
+          "how vaccines work", "the moon landing"]
+ASKS = ["Explain {} to a child.", "Write a short poem about {}.", "Give three facts about {}.",
+        "Summarize the history of {}.", "What are common misconceptions about {}?",
+        "Write a JSON object describing {} with keys name and summary.", "Compare {} with something similar.",
+        "Tell a story involving {}."]
+
+
+def chat_prompts(engine: Any) -> list[list[int]]:
+    """The 64 chat requests, through the engine's chat template."""
+    return [engine.apply_chat_template([{"role": "user", "content": a.format(t)}]) for t in TOPICS for a in ASKS]
+
+
+def first_differences(expected: list[list[int]], got: list[list[int]]) -> list[int]:
+    """Per answer, the index of the first token that differs (its length where none does)."""
+    return [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+            for x, y in zip(expected, got, strict=True)]
+
+
 def prompts_of_lengths(tokenizer: Any, lengths: list[int], seed: int = 0) -> list[list[int]]:
     """Distinct prompts (a random offset into a long text) of exactly the given token lengths."""
     base = tokenizer.encode(_PARAGRAPH * 40, add_special_tokens=False)

@@ -28,17 +28,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import print_table, write_json  # noqa: E402
+from benchmarks.common import chat_prompts, first_differences, print_table, write_json  # noqa: E402
 from radixgen import Engine, EngineConfig, SamplingParams  # noqa: E402
 from radixgen.models.layers import Linear  # noqa: E402
 from radixgen.models.quantized import QuantizedLinear  # noqa: E402
-
-TOPICS = ["the ocean", "a steam engine", "photosynthesis", "the Roman empire", "prime numbers", "a chess opening",
-          "how vaccines work", "the moon landing"]
-ASKS = ["Explain {} to a child.", "Write a short poem about {}.", "Give three facts about {}.",
-        "Summarize the history of {}.", "What are common misconceptions about {}?",
-        "Write a JSON object describing {} with keys name and summary.", "Compare {} with something similar.",
-        "Tell a story involving {}."]
 
 
 class DynamicInt8Linear(nn.Module):
@@ -127,15 +120,14 @@ def main() -> None:
     rates = linear_rates(engine, [int(r) for r in args.rows.split(",")])
     print(f"quantized engine: {torch.backends.quantized.engine}")
     print_table(rates, list(rates[0]))
-    prompts = [engine.apply_chat_template([{"role": "user", "content": a.format(t)}]) for t in TOPICS for a in ASKS]
+    prompts = chat_prompts(engine)
     set_large_steps(engine, None)
     base = answers(engine, prompts)
     agreement = []
     for label in ("dense_fp32", "int8_tensor", "int8_token"):
         set_large_steps(engine, label)
         got = answers(engine, prompts)
-        first = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
-                 for x, y in zip(base, got, strict=True)]
+        first = first_differences(base, got)
         agreement.append({"large_steps_on": label, "identical": sum(f == len(x) for f, x in zip(first, base, strict=True)),
                           "of": len(base), "mean_first_difference": statistics.mean(first),
                           "sample": repr(engine.tokenizer.decode(got[1][:24]))})
