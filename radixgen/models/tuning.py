@@ -211,7 +211,7 @@ def _choose_prefill(model: CausalLM, dtype: torch.dtype, kernels: CpuKernels | N
         native_missing = "the native kernels are not built on this machine"
     elif dtype not in (torch.bfloat16, torch.float32):
         native_missing = "the native prefill kernel takes bfloat16 or float32 pools"
-    elif not kernels.prefill_attention_native(dtype) and dtype == torch.float32:
+    elif dtype == torch.float32 and not kernels.prefill_attention_native(dtype):
         native_missing = "the float32 prefill kernel needs AVX2 and FMA"
     rule_native = kernels is not None and kernels.prefill_attention_for(dtype) is not None
     implementations = [Implementation("native", native_missing), Implementation("sdpa")]
