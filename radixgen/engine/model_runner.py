@@ -63,7 +63,7 @@ def describe_weights(model: CausalLM) -> str:
     quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     if not quantized:
         return f"dense {str(model.embed.dtype).removeprefix('torch.')}"
-    bits = sorted({m.bits for m in quantized})
+    bits = sorted({b for m in quantized for b in m.widths})
     return f"{'/'.join(map(str, bits))}-bit blocks ({len(quantized)} linears)"
 
 

@@ -7,3 +7,4 @@
 #include "small_linear.cpp"
 #include "fused_ops.cpp"
 #include "quant_linear.cpp"
+#include "gguf_repack.cpp"

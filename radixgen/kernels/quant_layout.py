@@ -1,4 +1,4 @@
-"""The layout ``quant_linear.cpp`` reads a 4- or 8-bit weight in, and the weight's values from it.
+"""The layout ``quant_linear.cpp`` reads a 4-, 5-, 6- or 8-bit weight in, and the weight's values from it.
 
 A weight arrives as three arrays (``qweight``: uint8 nibble pairs for 4 bits, int8 for 8;
 ``scales`` and, 4-bit, ``mins`` [out, in / 32] in float16; w = q * scale + min), as GGUF's
@@ -6,6 +6,10 @@ blocks map onto them. The kernel holds it as output rows in blocks of 16 (zero r
 one) and, per block and group of 32 inputs, one record of the 16 rows' quantized bytes, then
 their float16 scales and (4-bit) minimums, so a step reads W front to back as one sequence:
 uint8 [ceil(out / 16), in / 32, record bytes] (4-bit 320, 8-bit 544).
+
+The 5- and 6-bit records (GGUF's Q5 and Q6_K blocks, written by ``gguf_repack.cpp``, whose header
+gives their bytes) add the values' high bits after the nibbles; 6 bits holds q - 32 with a scale
+per 16 elements. ``dequantize_records`` reads every width.
 """
 
 from __future__ import annotations
@@ -85,6 +89,67 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, 
     return w.view(out, in_features).to(dtype)
 
 
+def record_bytes(bits: int) -> int:
+    return quant_bytes(bits) + (1 if bits == 8 else 2) * 2 * BLOCK_ROWS
+
+
+def quant_bytes(bits: int) -> int:
+    """Bytes of a record's integers (its float16 vectors follow)."""
+    return 512 if bits == 8 else 256 + 64 * (bits - 4)
+
+
+def _lanes(part: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """A record part of 32-byte chunks [B, G, chunks * 32] as [B, G, chunks, R, 2]: every row's byte
+    pair (R = 16), or row ``rows[i]`` of block i (R = 1)."""
+    blocks, groups, size = part.shape
+    lanes = part.reshape(blocks, groups, size // 32, BLOCK_ROWS, 2)
+    if rows is None:
+        return lanes
+    return lanes[torch.arange(blocks, device=part.device), :, :, rows].unsqueeze(3)
+
+
+def _halves(part: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """A record's float16 vector [B, G, 32 bytes] as float32 [B, G, R]."""
+    values = part.contiguous().view(torch.float16).float()
+    if rows is None:
+        return values
+    return values[torch.arange(values.shape[0], device=part.device), :, rows].unsqueeze(-1)
+
+
+def dequantize_records(records: torch.Tensor, bits: int, rows: torch.Tensor | None = None,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight rows of ``records`` [B, groups, record bytes] of any width: all 16 rows of
+    each block ([B * 16, in], padding included), or row ``rows[i]`` of block i ([B, in])."""
+    blocks, groups, _ = records.shape
+    qbytes = quant_bytes(bits)
+    if bits == 8:  # chunk p holds elements 2p, 2p + 1
+        q = _lanes(records[..., :qbytes], rows).view(torch.int8).permute(0, 1, 3, 2, 4)
+        q = q.reshape(blocks, groups, q.shape[2], GROUP).float()
+    else:  # chunk c: low nibbles are elements 2c + j, high nibbles 2c + j + 16
+        nibbles = _lanes(records[..., :256], rows).to(torch.int32)
+        low, high = nibbles & 0x0F, nibbles >> 4
+        if bits != 4:
+            extra, shared = bits - 4, (2 if bits == 5 else 4)
+            chunk = torch.arange(8, device=records.device)
+            upper = _lanes(records[..., 256:qbytes], rows).to(torch.int32)[:, :, chunk % shared]
+            upper = upper >> ((chunk // shared) * 2 * extra).view(1, 1, 8, 1, 1)
+            mask = (1 << extra) - 1
+            low = low | ((upper & mask) << 4)
+            high = high | (((upper >> extra) & mask) << 4)
+        halves = [v.permute(0, 1, 3, 2, 4).reshape(blocks, groups, v.shape[3], GROUP // 2) for v in (low, high)]
+        q = torch.cat(halves, dim=-1).float()
+        if bits == 6:
+            q = q - 32
+    scale = _halves(records[..., qbytes : qbytes + 32], rows)[..., None]
+    if bits == 6:  # elements 16..31 have a scale of their own
+        second = _halves(records[..., qbytes + 32 : qbytes + 64], rows)[..., None]
+        scale = torch.cat([scale.expand(-1, -1, -1, GROUP // 2), second.expand(-1, -1, -1, GROUP // 2)], dim=-1)
+    w = q * scale
+    if bits in (4, 5):
+        w = w + _halves(records[..., qbytes + 32 : qbytes + 64], rows)[..., None]
+    return w.permute(0, 2, 1, 3).reshape(-1, groups * GROUP).to(dtype)
+
+
 def dequantize_packed(packed: torch.Tensor, out_features: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
     """The float [out_features, in] weight of a weight held in the kernel's layout."""
-    return dequantize(*deinterleave(packed, bits), bits, dtype)[:out_features]
+    return dequantize_records(packed, bits, dtype=dtype)[:out_features]

@@ -1,7 +1,11 @@
-// Weight-only quantized linears on CPU: y = x @ dequant(W).T with W stored as 4-bit or 8-bit
-// integers in groups of 32 along the input dimension, each group with a float16 scale and (4-bit)
-// a float16 minimum: w = q * scale + min. This is GGUF's Q4_1 (Q4_0 is min = -8 * scale) and Q8_0
-// (signed q, no min), with the bytes reordered at load (quantized.py's `interleave`).
+// Weight-only quantized linears on CPU: y = x @ dequant(W).T with W stored as 4-, 5-, 6- or 8-bit
+// integers in groups of 32 along the input dimension, each group with a float16 scale and (4- and
+// 5-bit) a float16 minimum: w = q * scale + min. GGUF's blocks map onto these records exactly up
+// to the float16 rounding of a K-quant's scale products (gguf_repack.cpp writes them):
+//   4 bits: Q4_0 (min = -8 * scale), Q4_1, Q4_K (scale = d * sc, min = -dmin * m per 32);
+//   5 bits: Q5_0 (min = -16 * scale), Q5_1, Q5_K;
+//   6 bits: Q6_K: q - 32 with a scale per 16 (two per group), no min;
+//   8 bits: Q8_0 (signed q, no min).
 //
 // Layout: output rows in blocks of 16 (the last one padded with zero weights), and for each block
 // and group one contiguous record, so a step streams W front to back in a single sequence:
@@ -10,6 +14,11 @@
 //     high nibble element 2c + j + 16.
 //   8-bit, 544 bytes: 16 chunks of 32 bytes, then the scales. Chunk p's byte 2r + j is element
 //     2p + j of row r.
+//   5-bit, 384 bytes, and 6-bit, 448 bytes: the 4-bit record's 8 nibble chunks, then the high bits
+//     (64 bytes for 5 bits, 128 for 6), then the scales and (5-bit) the minimums or (6-bit) the
+//     scales of elements 16..31. The high bits of nibble chunk c, byte position L, lie in byte
+//     (c % H) * 32 + L of the high part (H = 2 for 5 bits, 4 for 6) from bit (c / H) * 2e (e extra
+//     bits per value): first the low nibble's element's e bits, then the high nibble's.
 // Widened to 16-bit lanes, a chunk (4-bit: its low or its high nibbles) holds one pair of
 // consecutive elements for each of the 16 rows, which is the operand shape of vpdpwssd (16 sums
 // of two int16 products) against one pair of activations broadcast to every lane. Each product
@@ -45,8 +54,13 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kBlockRows = 16;
 constexpr int64_t kScaleBytes = kBlockRows * 2;
 
-constexpr int64_t record_bytes(int64_t bits) { return bits == 4 ? 256 + 2 * kScaleBytes : 512 + kScaleBytes; }
-constexpr int64_t quant_bytes(int64_t bits) { return bits == 4 ? 256 : 512; }
+// bytes of the quantized values of one record (the float16 vectors follow)
+constexpr int64_t quant_bytes(int64_t bits) { return bits == 8 ? 512 : 256 + 64 * (bits - 4); }
+constexpr int64_t record_bytes(int64_t bits) { return quant_bytes(bits) + (bits == 8 ? 1 : 2) * kScaleBytes; }
+constexpr bool has_min(int64_t bits) { return bits == 4 || bits == 5; }
+// extra bits above the nibble, and how many nibble chunks share a byte position of the high part
+constexpr int extra_bits(int64_t bits) { return bits == 5 ? 1 : bits == 6 ? 2 : 0; }
+constexpr int high_rows(int64_t bits) { return bits == 5 ? 2 : 4; }
 
 using radixgen::to_float;
 
@@ -99,6 +113,28 @@ struct Activations {
   const float* xs;
   int64_t k, groups;
 };
+
+using Blocks = void (*)(const Activations&, const uint8_t*, int64_t, int64_t, int64_t, float*);
+
+// A record's value of element e (0..31) of row r, as the kernels multiply it (6 bits: q - 32).
+template <int kBits>
+inline int32_t record_value(const uint8_t* rec, int64_t r, int64_t e) {
+  const int64_t pair = e / 2, j = e % 2;
+  if constexpr (kBits == 8) {
+    return reinterpret_cast<const int8_t*>(rec)[32 * pair + 2 * r + j];
+  } else {
+    const int64_t c = pair % 8, lane = 2 * r + j;
+    const bool high_nibble = pair >= 8;
+    const uint8_t byte = rec[32 * c + lane];
+    int32_t q = high_nibble ? byte >> 4 : byte & 0x0F;
+    if constexpr (kBits != 4) {
+      constexpr int ex = extra_bits(kBits), h = high_rows(kBits);
+      const uint8_t bits = rec[256 + (c % h) * 32 + lane] >> ((c / h) * 2 * ex + (high_nibble ? ex : 0));
+      q |= (bits & ((1 << ex) - 1)) << 4;
+    }
+    return kBits == 6 ? q - 32 : q;
+  }
+}
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define RADIXGEN_QUANT_AVX512 1
@@ -162,23 +198,27 @@ void blocks_avx512(const Activations& a, const uint8_t* __restrict packed, int64
   }
 }
 
-using Blocks = void (*)(const Activations&, const uint8_t*, int64_t, int64_t, int64_t, float*);
-constexpr int64_t kPass = 12;  // tokens per pass over a block (two accumulators each fit the 32 registers)
+constexpr int64_t kPass512 = 12;  // tokens per pass over a block (two accumulators each fit the 32 registers)
 template <int kBits>
-constexpr Blocks kBlocks[] = {nullptr,
-                              blocks_avx512<kBits, 1>, blocks_avx512<kBits, 2>, blocks_avx512<kBits, 3>,
-                              blocks_avx512<kBits, 4>, blocks_avx512<kBits, 5>, blocks_avx512<kBits, 6>,
-                              blocks_avx512<kBits, 7>, blocks_avx512<kBits, 8>, blocks_avx512<kBits, 9>,
-                              blocks_avx512<kBits, 10>, blocks_avx512<kBits, 11>, blocks_avx512<kBits, 12>};
+constexpr Blocks kBlocks512[] = {nullptr,
+                                 blocks_avx512<kBits, 1>, blocks_avx512<kBits, 2>, blocks_avx512<kBits, 3>,
+                                 blocks_avx512<kBits, 4>, blocks_avx512<kBits, 5>, blocks_avx512<kBits, 6>,
+                                 blocks_avx512<kBits, 7>, blocks_avx512<kBits, 8>, blocks_avx512<kBits, 9>,
+                                 blocks_avx512<kBits, 10>, blocks_avx512<kBits, 11>, blocks_avx512<kBits, 12>};
 
-#elif defined(__AVX2__)
+#endif
+
+#if defined(__AVX2__)
 
 // The same arithmetic on 256-bit registers: a chunk's 16 rows as two halves of 8, madd_epi16 (16
-// products summed in pairs) then an add in place of vpdpwssd.
+// products summed in pairs) then an add in place of vpdpwssd. The 5- and 6-bit records run here
+// on AVX-512 machines too. 6 bits: the group's two halves have scales of their own, so each keeps
+// integer sums of its own.
 template <int kBits, int kTokens>
 void blocks_avx2(const Activations& a, const uint8_t* __restrict packed, int64_t n, int64_t begin, int64_t end,
                  float* __restrict out) {
   constexpr int64_t stride = record_bytes(kBits), qbytes = quant_bytes(kBits);
+  constexpr int kSubs = kBits == 6 ? 2 : 1;
   const int64_t groups = a.groups;
   const int32_t* __restrict x32 = reinterpret_cast<const int32_t*>(a.xq);
   const int64_t pairs_per_token = a.k / 2;
@@ -189,36 +229,60 @@ void blocks_avx2(const Activations& a, const uint8_t* __restrict packed, int64_t
     for (int t = 0; t < kTokens; ++t) facc[t][0] = facc[t][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* __restrict rec = block + g * stride;
-      __m256i iacc[kTokens][2];
-      for (int t = 0; t < kTokens; ++t) iacc[t][0] = iacc[t][1] = _mm256_setzero_si256();
+      __m256i iacc[kTokens][2][kSubs];
+      for (int t = 0; t < kTokens; ++t)
+        for (int s = 0; s < kSubs; ++s) iacc[t][0][s] = iacc[t][1][s] = _mm256_setzero_si256();
       const int32_t* __restrict xg = x32 + g * (kGroup / 2);
-      auto accumulate = [&](const __m256i w_low_rows, const __m256i w_high_rows, int pair) {
+      auto accumulate = [&](const __m256i w_low_rows, const __m256i w_high_rows, int pair, int sub) {
         for (int t = 0; t < kTokens; ++t) {
           const __m256i x = _mm256_set1_epi32(xg[t * pairs_per_token + pair]);
-          iacc[t][0] = _mm256_add_epi32(iacc[t][0], _mm256_madd_epi16(w_low_rows, x));
-          iacc[t][1] = _mm256_add_epi32(iacc[t][1], _mm256_madd_epi16(w_high_rows, x));
+          iacc[t][0][sub] = _mm256_add_epi32(iacc[t][0][sub], _mm256_madd_epi16(w_low_rows, x));
+          iacc[t][1][sub] = _mm256_add_epi32(iacc[t][1][sub], _mm256_madd_epi16(w_high_rows, x));
         }
       };
-      if constexpr (kBits == 4) {
+      if constexpr (kBits == 8) {
+        for (int p = 0; p < 16; ++p)
+          accumulate(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * p))),
+                     _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * p + 16))), p, 0);
+      } else {
         for (int c = 0; c < 8; ++c) {
           const __m256i r0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * c)));
           const __m256i r1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * c + 16)));
-          accumulate(_mm256_and_si256(r0, low_nibbles), _mm256_and_si256(r1, low_nibbles), c);
-          accumulate(_mm256_srli_epi16(r0, 4), _mm256_srli_epi16(r1, 4), c + 8);
+          __m256i lo0 = _mm256_and_si256(r0, low_nibbles), lo1 = _mm256_and_si256(r1, low_nibbles);
+          __m256i hi0 = _mm256_srli_epi16(r0, 4), hi1 = _mm256_srli_epi16(r1, 4);
+          if constexpr (kBits != 4) {
+            constexpr int ex = extra_bits(kBits), h = high_rows(kBits);
+            const uint8_t* high = rec + 256 + (c % h) * 32;
+            const __m128i shift = _mm_cvtsi32_si128((c / h) * 2 * ex);
+            const __m256i h0 = _mm256_srl_epi16(
+                _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high))), shift);
+            const __m256i h1 = _mm256_srl_epi16(
+                _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high + 16))), shift);
+            const __m256i mask = _mm256_set1_epi16((1 << ex) - 1);
+            lo0 = _mm256_or_si256(lo0, _mm256_slli_epi16(_mm256_and_si256(h0, mask), 4));
+            lo1 = _mm256_or_si256(lo1, _mm256_slli_epi16(_mm256_and_si256(h1, mask), 4));
+            hi0 = _mm256_or_si256(hi0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h0, ex), mask), 4));
+            hi1 = _mm256_or_si256(hi1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h1, ex), mask), 4));
+            if constexpr (kBits == 6) {
+              const __m256i offset = _mm256_set1_epi16(32);
+              lo0 = _mm256_sub_epi16(lo0, offset), lo1 = _mm256_sub_epi16(lo1, offset);
+              hi0 = _mm256_sub_epi16(hi0, offset), hi1 = _mm256_sub_epi16(hi1, offset);
+            }
+          }
+          accumulate(lo0, lo1, c, 0);
+          accumulate(hi0, hi1, c + 8, kSubs - 1);
         }
-      } else {
-        for (int p = 0; p < 16; ++p)
-          accumulate(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * p))),
-                     _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * p + 16))), p);
       }
-      const __m128i* scales = reinterpret_cast<const __m128i*>(rec + qbytes);
-      const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128(scales)), _mm256_cvtph_ps(_mm_loadu_si128(scales + 1))};
-      for (int t = 0; t < kTokens; ++t) {
-        const __m256 xd = _mm256_set1_ps(a.xd[t * groups + g]);
-        for (int h = 0; h < 2; ++h)
-          facc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[t][h]), _mm256_mul_ps(d[h], xd), facc[t][h]);
+      for (int s = 0; s < kSubs; ++s) {
+        const __m128i* scales = reinterpret_cast<const __m128i*>(rec + qbytes + s * kScaleBytes);
+        const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128(scales)), _mm256_cvtph_ps(_mm_loadu_si128(scales + 1))};
+        for (int t = 0; t < kTokens; ++t) {
+          const __m256 xd = _mm256_set1_ps(a.xd[t * groups + g]);
+          for (int h = 0; h < 2; ++h)
+            facc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[t][h][s]), _mm256_mul_ps(d[h], xd), facc[t][h]);
+        }
       }
-      if constexpr (kBits == 4) {
+      if constexpr (has_min(kBits)) {
         const __m128i* mins = reinterpret_cast<const __m128i*>(rec + qbytes + kScaleBytes);
         const __m256 m[2] = {_mm256_cvtph_ps(_mm_loadu_si128(mins)), _mm256_cvtph_ps(_mm_loadu_si128(mins + 1))};
         for (int t = 0; t < kTokens; ++t) {
@@ -242,10 +306,9 @@ void blocks_avx2(const Activations& a, const uint8_t* __restrict packed, int64_t
   }
 }
 
-using Blocks = void (*)(const Activations&, const uint8_t*, int64_t, int64_t, int64_t, float*);
-constexpr int64_t kPass = 2;  // 2 tokens x (2 integer + 2 float accumulators) + 4 weights: 16 registers
+constexpr int64_t kPassAvx2 = 2;  // 2 tokens x (2 integer + 2 float accumulators) + 4 weights: 16 registers
 template <int kBits>
-constexpr Blocks kBlocks[] = {nullptr, blocks_avx2<kBits, 1>, blocks_avx2<kBits, 2>};
+constexpr Blocks kBlocksAvx2[] = {nullptr, blocks_avx2<kBits, 1>, blocks_avx2<kBits, 2>};
 
 #else
 
@@ -263,20 +326,12 @@ void blocks_plain(const Activations& a, const uint8_t* __restrict packed, int64_
       for (int t = 0; t < kTokens; ++t) {
         const int16_t* x = a.xq + t * a.k + g * kGroup;
         for (int64_t r = 0; r < kBlockRows; ++r) {
-          int32_t sum = 0;
-          for (int64_t e = 0; e < kGroup; ++e) {
-            const int64_t pair = e / 2, j = e % 2;
-            int32_t w;
-            if constexpr (kBits == 4) {
-              const uint8_t byte = rec[32 * (pair % 8) + 2 * r + j];
-              w = pair < 8 ? byte & 0x0F : byte >> 4;
-            } else {
-              w = reinterpret_cast<const int8_t*>(rec)[32 * pair + 2 * r + j];
-            }
-            sum += w * x[e];
-          }
-          facc[t][r] += static_cast<float>(sum) * (to_float(d[r]) * a.xd[t * groups + g]);
-          if constexpr (kBits == 4)
+          int32_t sums[2] = {0, 0};  // 6 bits: elements 0..15 and 16..31 apart
+          for (int64_t e = 0; e < kGroup; ++e) sums[kBits == 6 && e >= 16] += record_value<kBits>(rec, r, e) * x[e];
+          const float xd = a.xd[t * groups + g];
+          facc[t][r] += static_cast<float>(sums[0]) * (to_float(d[r]) * xd);
+          if constexpr (kBits == 6) facc[t][r] += static_cast<float>(sums[1]) * (to_float(d[kBlockRows + r]) * xd);
+          if constexpr (has_min(kBits))
             facc[t][r] += to_float(reinterpret_cast<const at::Half*>(rec + qbytes + kScaleBytes)[r]) * a.xs[t * groups + g];
         }
       }
@@ -287,15 +342,41 @@ void blocks_plain(const Activations& a, const uint8_t* __restrict packed, int64_
   }
 }
 
-using Blocks = void (*)(const Activations&, const uint8_t*, int64_t, int64_t, int64_t, float*);
-constexpr int64_t kPass = 1;
 template <int kBits>
-constexpr Blocks kBlocks[] = {nullptr, blocks_plain<kBits, 1>};
+constexpr Blocks kBlocksPlain[] = {nullptr, blocks_plain<kBits, 1>};
 
 #endif
 
+// The block functions for a record width, by tokens per pass (index 1..pass).
+struct Kernel {
+  const Blocks* table;
+  int64_t pass;
+};
+
+Kernel kernel_for(int64_t bits) {
+#if defined(RADIXGEN_QUANT_AVX512)
+  if (bits == 4) return {kBlocks512<4>, kPass512};
+  if (bits == 8) return {kBlocks512<8>, kPass512};
+#endif
+#if defined(__AVX2__)
+  switch (bits) {
+    case 4: return {kBlocksAvx2<4>, kPassAvx2};
+    case 5: return {kBlocksAvx2<5>, kPassAvx2};
+    case 6: return {kBlocksAvx2<6>, kPassAvx2};
+    default: return {kBlocksAvx2<8>, kPassAvx2};
+  }
+#else
+  switch (bits) {
+    case 4: return {kBlocksPlain<4>, 1};
+    case 5: return {kBlocksPlain<5>, 1};
+    case 6: return {kBlocksPlain<6>, 1};
+    default: return {kBlocksPlain<8>, 1};
+  }
+#endif
+}
+
 void check(const at::Tensor& packed, int64_t n, int64_t k, int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "bits must be 4, 5, 6 or 8");
   TORCH_CHECK(k % kGroup == 0, "the input size must be a multiple of 32, got ", k);
   TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous() && packed.scalar_type() == at::kByte,
               "packed: a contiguous uint8 CPU tensor");
@@ -324,7 +405,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   const float* xsp = xs.data();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  const Blocks* table = bits == 4 ? kBlocks<4> : kBlocks<8>;
+  const Kernel kernel = kernel_for(bits);
   const int64_t blocks = packed.size(0), block_bytes = groups * record_bytes(bits);
   // tasks of a few tens of KB of weights; within a task, a few blocks at a time go through every
   // pass of tokens while their records are in L1/L2
@@ -333,10 +414,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; b += tile) {
       const int64_t b_end = std::min(end, b + tile);
-      for (int64_t t = 0; t < tokens; t += kPass) {
-        const int64_t count = std::min(kPass, tokens - t);
+      for (int64_t t = 0; t < tokens; t += kernel.pass) {
+        const int64_t count = std::min(kernel.pass, tokens - t);
         const Activations a{xqp + t * k, xdp + t * groups, xsp + t * groups, k, groups};
-        table[count](a, pp, n, b, b_end, op + t * n);
+        kernel.table[count](a, pp, n, b, b_end, op + t * n);
       }
     }
   });

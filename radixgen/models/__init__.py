@@ -17,9 +17,11 @@ from radixgen.models.families import FAMILIES, supported_architectures
 from radixgen.models.loader import (
     generation_defaults,
     gguf_file_of,
+    gguf_index,
     gguf_tensor_types,
     load_state_dict,
     resolve_model_dir,
+    save_gguf_index,
     weight_bits,
 )
 
@@ -64,6 +66,21 @@ def build_quantized_model(
     return model.eval()
 
 
+def _quantized_state(gguf_file: Path | None, hf_config: Any, model_dir: Path) -> dict[str, Any]:
+    """The tensors a quantized model loads: a GGUF's read from the file (its header parsed once
+    and kept beside the converted config), other checkpoints' from their safetensors."""
+    if gguf_file is None:
+        return dict(load_state_dict(model_dir))
+    from radixgen.models.gguf_weights import read_gguf, remove_old_caches
+
+    remove_old_caches(model_dir)
+    index = gguf_index(model_dir)
+    state, fresh = read_gguf(gguf_file, hf_config, index)
+    if fresh != index:
+        save_gguf_index(model_dir, fresh)
+    return state
+
+
 def load_model(
     model: str | os.PathLike[str] | None = None, *, dtype: str = "float32", device: str = "cpu",
     weights: str = "auto",
@@ -87,10 +104,8 @@ def load_model(
     if bits is None:
         net = build_model(cfg, load_state_dict(model_dir, device), dtype=torch_dtype(dtype), device=device)
     else:
-        from radixgen.models.gguf_weights import cached_gguf
-
-        state = cached_gguf(gguf_file, hf_config, model_dir) if gguf_file is not None else load_state_dict(model_dir)
-        net = build_quantized_model(cfg, state, bits, dtype=torch_dtype(dtype), device=device)
+        net = build_quantized_model(cfg, _quantized_state(gguf_file, hf_config, model_dir), bits,
+                                    dtype=torch_dtype(dtype), device=device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return LoadedModel(model=net, config=cfg, tokenizer=tokenizer, path=model_dir, sampling_defaults=sampling)
 

@@ -9,13 +9,15 @@ layout or the per-expert layout of hub checkpoints (``experts.{j}.gate_proj`` an
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from radixgen.models.gguf_weights import GGUFTensor
 from radixgen.models.layers import Linear
 from radixgen.models.moe import SparseMoE
 from radixgen.models.quantized import (
+    PackedWeight,
     QuantizedEmbedding,
     QuantizedLinear,
     QuantizedWeight,
@@ -127,30 +129,34 @@ def _load_experts(moe: SparseMoE, take: _Tensors, p: str, num_experts: int) -> N
 
 
 @torch.no_grad()
-def load_quantized_into(model: CausalLM, state: dict[str, torch.Tensor | QuantizedWeight], bits: int) -> None:
+def load_quantized_into(model: CausalLM, state: dict[str, Any], bits: int) -> None:
     """Load with every linear (and the embedding / LM head) weight-only quantized: quantized
-    tensors (a GGUF's blocks) are taken as they are, float ones quantized to ``bits``. No float
-    copy of a linear weight is kept."""
+    tensors (a GGUF's blocks, ``GGUFTensor``) are taken as they are, float ones quantized to
+    ``bits``. No float copy of a linear weight is kept."""
     cfg = model.config
     if cfg.moe is not None:
         raise ValueError(f"{cfg.architecture}: quantized weights are not supported for mixtures of experts yet; "
                          "run it with weights='float'")
     dtype, offset, fused = model.embed.dtype, cfg.family.norm_offset, cfg.family.fused_checkpoint
 
-    def q(name: str) -> QuantizedWeight:
+    def q(name: str) -> QuantizedWeight | PackedWeight:
         if name not in state:
             raise KeyError(f"checkpoint lacks tensor {name!r}")
         value = state[name]
+        if isinstance(value, GGUFTensor):
+            return value.quantized(bits)
         return value if isinstance(value, QuantizedWeight) else quantize(value, bits)
 
-    def fused_rows(names: list[str]) -> QuantizedWeight:
+    def fused_rows(names: list[str]) -> QuantizedWeight | list[QuantizedWeight | PackedWeight]:
         parts = [q(n) for n in names]
-        if len({p.bits for p in parts}) > 1:  # mixed widths: hold all at 8 bits
-            parts = [p if p.bits == 8 else quantize(p.dequantize(), 8) for p in parts]
-        return cat_rows(parts)
+        if all(isinstance(p, QuantizedWeight) for p in parts) and len({p.bits for p in parts}) == 1:
+            return cat_rows([p for p in parts if isinstance(p, QuantizedWeight)])
+        return parts  # one record array per run of one width (QuantizedLinear)
 
     def floats(name: str) -> torch.Tensor:
         value = state[name]
+        if isinstance(value, GGUFTensor):
+            return value.floats().to(dtype)
         assert isinstance(value, torch.Tensor), f"{name} is quantized; expected a float tensor"
         return value.to(dtype)
 

@@ -1,5 +1,8 @@
-"""A GGUF file's tensors, by their HF names, with Q4_0 / Q4_1 / Q8_0 blocks repacked as
-``QuantizedWeight`` (no float round trip) and every other type as a float tensor.
+"""A GGUF file's tensors, by their HF names, as the file holds them: quantized blocks of the
+supported types are written into the kernel's records (``PackedWeight``) straight from a
+read-only mmap of the file, F32 / F16 / BF16 tensors are read as they are, and nothing is written
+to disk. A start reads the file again (its page cache makes a second start fast) instead of
+keeping a second copy of it.
 
 Names: each HF name of the architecture (the keys of transformers' model built on the meta
 device) is mapped to its GGUF name by the gguf package's tensor name map, as transformers'
@@ -9,36 +12,99 @@ permutation is undone on the rows of the blocks. Gemma's stored norm weights are
 
 from __future__ import annotations
 
-import os
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from radixgen.models.quantized import QuantizedWeight
+from radixgen.models.gguf_file import GGUFFile, TensorInfo
+from radixgen.models.quantized import PackedWeight, QuantizedWeight, quantize
 
-# block layouts: bytes per 32 weights
-_Q4_0, _Q4_1, _Q8_0 = 18, 20, 34
+logger = logging.getLogger(__name__)
+
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+"""Quantized types run as they are; the record width each is written into:"""
+RECORD_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}
+FLOAT_TYPES = {"F32": np.float32, "F16": np.float16}
+
+# In a folder of its own: beside model.safetensors, tools that load every *.safetensors of a
+# checkpoint folder (vLLM) would take the blocks for weights. Earlier releases cached the
+# repacked blocks there (the file's size again); a start now removes them.
+_OLD_CACHES = ("radixgen-gguf/blocks.safetensors", "gguf-blocks.safetensors")
+LEGACY_CACHE_NAME = _OLD_CACHES[1]
 
 
-def _fp16(blocks: np.ndarray, start: int) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0].copy())
+@dataclass
+class GGUFTensor:
+    """One tensor of the file, read when the model takes it (so the file's pages of a tensor are
+    let go before the next is read)."""
 
+    file: GGUFFile
+    info: TensorInfo
+    row_order: torch.Tensor | None = None
+    """Rows to take in this order (llama's q/k), or None."""
 
-def _repack(kind: str, data: np.ndarray, rows: int) -> QuantizedWeight:
-    width = {"Q4_0": _Q4_0, "Q4_1": _Q4_1, "Q8_0": _Q8_0}[kind]
-    blocks = data.reshape(rows, -1, width)
-    scales = _fp16(blocks, 0)
-    if kind == "Q8_0":
-        signed = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, -1)
-        return QuantizedWeight(torch.from_numpy(signed.copy()), scales, torch.empty(0), 8)
-    if kind == "Q4_1":
-        mins, nibbles = _fp16(blocks, 2), blocks[..., 4:]
-    else:  # Q4_0: w = (q - 8) * d
-        mins, nibbles = -8 * scales, blocks[..., 2:]
-    q = torch.from_numpy(np.ascontiguousarray(nibbles).reshape(rows, -1).copy())
-    return QuantizedWeight(q, scales.contiguous(), mins.contiguous(), 4)
+    @property
+    def type_name(self) -> str:
+        return self.info.type_name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.info.shape
+
+    def blocks(self) -> PackedWeight | None:
+        """The kernel's records of a quantized 2-D tensor of a supported type (None where the
+        native ops are not built here: the caller dequantizes)."""
+        from radixgen.kernels import cpu_kernels
+
+        kernels = cpu_kernels()
+        if kernels is None or self.type_name not in RECORD_BITS or len(self.shape) != 2:
+            return None
+        raw = self.file.raw(self.info.name)
+        if self.row_order is not None:
+            raw = raw[self.row_order].contiguous()
+        records = kernels.gguf_repack(raw, self.info.ggml_type, self.shape[1])
+        del raw
+        self.file.release(self.info.name)
+        return PackedWeight(records, RECORD_BITS[self.type_name], self.shape[0])
+
+    def floats(self) -> torch.Tensor:
+        """The tensor in float32 (quantized types dequantized by the gguf package's reference)."""
+        import gguf
+
+        raw = self.file.raw(self.info.name).numpy().reshape(-1)
+        if self.type_name in FLOAT_TYPES:
+            values = raw.view(FLOAT_TYPES[self.type_name]).astype(np.float32)
+        elif self.type_name == "BF16":
+            values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            try:
+                values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(self.info.ggml_type))
+            except NotImplementedError:
+                raise ValueError(
+                    f"{self.file.path.name}: tensor {self.info.name!r} is {self.type_name}, which cannot be read "
+                    f"here; supported: {', '.join(BLOCK_TYPES)}, F32, F16, BF16") from None
+        out = torch.from_numpy(np.array(values, dtype=np.float32).reshape(self.shape))
+        self.file.release(self.info.name)
+        return out[self.row_order] if self.row_order is not None else out
+
+    def quantized(self, bits: int) -> PackedWeight | QuantizedWeight:
+        """As the quantized model holds it: the file's own blocks where they run as they are, else
+        the values quantized to ``bits`` (a block type without a kernel is said, with its cost)."""
+        blocks = self.blocks()
+        if blocks is not None:
+            return blocks
+        if self.type_name not in RECORD_BITS and self.type_name not in FLOAT_TYPES and self.type_name != "BF16":
+            weight = quantize(self.floats(), 8)
+            logger.warning("%s: tensor %r is %s, which has no kernel here (supported: %s); it is held as 8-bit "
+                           "blocks (%.1f MiB, %.1fx its size in the file)", self.file.path.name, self.info.name,
+                           self.type_name, ", ".join(BLOCK_TYPES), weight.nbytes() / 2**20,
+                           weight.nbytes() / self.info.nbytes)
+            return weight
+        return quantize(self.floats(), bits)
 
 
 def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
@@ -50,56 +116,49 @@ def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
 
 
 def tensor_types(path: Path) -> list[str]:
-    import gguf
-
-    return sorted({t.tensor_type.name for t in gguf.GGUFReader(path).tensors})
+    return sorted({t.type_name for t in GGUFFile(path).tensors.values()})
 
 
-# In a folder of its own: beside model.safetensors, tools that load every *.safetensors of a
-# checkpoint folder (vLLM) would take the blocks for weights.
-_CACHE_NAME = "radixgen-gguf/blocks.safetensors"
-LEGACY_CACHE_NAME = "gguf-blocks.safetensors"
+def remove_old_caches(cache_folder: Path) -> None:
+    for name in _OLD_CACHES:
+        (cache_folder / name).unlink(missing_ok=True)
 
 
-def cached_gguf(path: Path, hf_config: Any, cache_folder: Path) -> dict[str, torch.Tensor | QuantizedWeight]:
-    """``read_gguf`` once, then from a safetensors copy of the repacked blocks in the model's
-    cache folder (parsing the file's metadata alone took ~5 s per start for the bundled one)."""
-    from safetensors.torch import load_file, save_file
-
-    cache = cache_folder / _CACHE_NAME
-    if cache.exists():
-        flat = load_file(str(cache))
-        out: dict[str, torch.Tensor | QuantizedWeight] = {}
-        for key, tensor in flat.items():
-            name, _, part = key.rpartition("::")
-            if part == "float":
-                out[name] = tensor
-            elif part == "qweight":
-                out[name] = QuantizedWeight(tensor, flat[name + "::scales"], flat[name + "::mins"],
-                                            int(flat[name + "::bits"].item()))
-        return out
-    weights = read_gguf(path, hf_config)
-    flat = {}
-    for name, value in weights.items():
-        if isinstance(value, QuantizedWeight):
-            flat.update({name + "::qweight": value.qweight, name + "::scales": value.scales,
-                         name + "::mins": value.mins, name + "::bits": torch.tensor(value.bits)})
-        else:
-            flat[name + "::float"] = value.contiguous()
-    cache.parent.mkdir(exist_ok=True)
-    (cache_folder / LEGACY_CACHE_NAME).unlink(missing_ok=True)  # an earlier release's copy, beside the weights
-    tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")  # servers starting together each write their own
-    save_file(flat, str(tmp))
-    tmp.replace(cache)
-    return weights
+def read_gguf(path: Path, hf_config: Any, index: dict[str, Any] | None = None,
+              ) -> tuple[dict[str, torch.Tensor | GGUFTensor], dict[str, Any]]:
+    """The file's tensors by HF name: vectors (norms, biases) as float tensors, matrices read
+    lazily (``GGUFTensor``); and the index to pass next time for this file (its parsed header
+    and the names' map: finding the names imports transformers' model class, seconds)."""
+    file = GGUFFile(path, index.get("header") if index else None)
+    arch = file.architecture
+    to_hf = index.get("hf_names") if index else None
+    if not isinstance(to_hf, dict):
+        to_hf = _hf_names(arch, hf_config)
+    out: dict[str, torch.Tensor | GGUFTensor] = {}
+    for info in file.tensors.values():
+        hf_name = to_hf.get(info.name)
+        if hf_name is None:
+            continue  # e.g. rope_freqs: recomputed from the config
+        order = None
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = hf_config.num_attention_heads if "q_proj" in hf_name else hf_config.num_key_value_heads
+            order = _unpermute_rows(info.shape[0], heads)
+        tensor = GGUFTensor(file, info, order)
+        if len(info.shape) > 1:
+            out[hf_name] = tensor
+            continue
+        value = tensor.floats()
+        if arch.startswith("gemma") and hf_name.endswith("norm.weight"):  # stored as 1 + w
+            value = value - 1
+        out[hf_name] = value
+    return out, {"header": file.to_index(), "hf_names": to_hf}
 
 
-def read_gguf(path: Path, hf_config: Any) -> dict[str, torch.Tensor | QuantizedWeight]:
+def _hf_names(arch: str, hf_config: Any) -> dict[str, str]:
+    """GGUF tensor name -> HF name for the architecture."""
     import gguf
     from transformers import AutoModelForCausalLM
 
-    reader = gguf.GGUFReader(path)
-    arch = str(reader.fields["general.architecture"].contents())
     with torch.device("meta"):
         names = list(AutoModelForCausalLM.from_config(hf_config).state_dict())
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], hf_config.num_hidden_layers)
@@ -108,24 +167,4 @@ def read_gguf(path: Path, hf_config: Any) -> dict[str, torch.Tensor | QuantizedW
         gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is not None:
             to_hf[gguf_name] = hf_name
-    out: dict[str, torch.Tensor | QuantizedWeight] = {}
-    for tensor in reader.tensors:
-        hf_name = to_hf.get(tensor.name)
-        if hf_name is None:
-            continue  # e.g. rope_freqs: recomputed from the config
-        kind = tensor.tensor_type.name
-        shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists the fastest dimension first
-        value: torch.Tensor | QuantizedWeight
-        if kind in ("Q4_0", "Q4_1", "Q8_0") and len(shape) == 2:
-            value = _repack(kind, np.asarray(tensor.data), shape[0])
-        else:
-            floats = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
-            value = torch.from_numpy(np.array(floats, dtype=np.float32).reshape(shape))
-        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = hf_config.num_attention_heads if "q_proj" in hf_name else hf_config.num_key_value_heads
-            order = _unpermute_rows(shape[0], heads)
-            value = value.rows(order) if isinstance(value, QuantizedWeight) else value[order]
-        if arch.startswith("gemma") and hf_name.endswith("norm.weight") and isinstance(value, torch.Tensor):
-            value = value - 1
-        out[hf_name] = value
-    return out
+    return to_hf

