@@ -100,6 +100,8 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="radixgen-engine", daemon=True)
         self._ready = threading.Event()
         self._started = threading.Event()
+        # before the loop thread exists: a failing _init_front sets it, and the loop waits on it
+        self._stopped = threading.Event()
         self._startup = _Startup(loaded)
         # The model is built and run on the loop thread only: a forward on a different thread
         # from the one that first ran torch's OpenMP work took ~50% longer here (60-67 ms vs
@@ -136,7 +138,6 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._rng = random.Random(self.config.seed)
         self._ids = itertools.count()
-        self._stopped = threading.Event()
         self._dead_reason: str | None = None
         self._active_ids: set[str] = set()
         self.pipeline = (OverlapPipeline if self.config.use_overlap else StepPipeline)(self.scheduler, self.runner, self.sampler, self.constraints,

@@ -238,3 +238,27 @@ def test_glibc_takes_the_allocator_settings_the_cpu_engine_makes() -> None:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")
     assert keep_freed_memory_for_reuse()
+
+
+def test_a_failure_after_the_model_is_built_is_raised_at_once(tiny_model_dir: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model built, the engine's own set-up fails (here: the sampler): that error reaches the
+    caller within seconds, and the loop thread ends instead of waiting for a start that never comes."""
+    import threading
+    import time
+
+    from radixgen import Engine, EngineConfig
+    from radixgen.engine import engine as engine_module
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("sampler set-up failed")
+
+    monkeypatch.setattr(engine_module, "Sampler", broken)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="sampler set-up failed"):
+        Engine(EngineConfig(model=str(tiny_model_dir), kv_cache_tokens=1024, max_context_len=256, tune_kernels=False))
+    assert time.monotonic() - start < 60
+    deadline = time.monotonic() + 10
+    while any(t.name == "radixgen-engine" and t.is_alive() for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the engine's loop thread is still waiting"
+        time.sleep(0.05)

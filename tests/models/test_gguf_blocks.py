@@ -145,3 +145,32 @@ def test_the_file_reader_finds_each_tensor_and_refuses_a_cut_file(tmp_path: Path
     (tmp_path / "other.gguf").write_bytes(b"PK\x03\x04" + bytes(100))
     with pytest.raises(ValueError, match="not a GGUF file"):
         GGUFFile(tmp_path / "other.gguf")
+
+
+def test_a_block_type_without_a_kernel_is_held_as_8_bits_with_a_warning_and_an_unreadable_one_refused(
+    tmp_path: Path, kernels: Any, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Q3_K (a Q3_K_M file's linears): dequantized by the gguf package and held as 8-bit blocks, with a
+    warning naming the tensor and its cost; Q8_K (which the gguf package cannot read either): refused
+    naming the tensor and the supported types."""
+    import gguf
+
+    from radixgen.models.gguf_weights import GGUFTensor
+    from radixgen.models.quantized import QuantizedWeight
+
+    q3 = np.random.default_rng(0).integers(0, 256, size=(4, 110), dtype=np.uint8)
+    q3[:, 108:110] = np.frombuffer(np.full(4, 0.01, dtype=np.float16).tobytes(), dtype=np.uint8).reshape(4, 2)
+    expected = gguf.quants.dequantize(q3, gguf.GGMLQuantizationType.Q3_K).reshape(4, 256)
+    path = tmp_path / "odd.gguf"
+    _write_minimal_gguf(path, [("blk.0.ffn_up.weight", [256, 4], int(gguf.GGMLQuantizationType.Q3_K), q3.tobytes()),
+                               ("blk.0.ffn_gate.weight", [256, 4], int(gguf.GGMLQuantizationType.Q8_K),
+                                bytes(4 * 292))])
+    file = GGUFFile(path)
+    with caplog.at_level("WARNING"):
+        held = GGUFTensor(file, file.tensors["blk.0.ffn_up.weight"]).quantized(4)
+    assert isinstance(held, QuantizedWeight) and held.bits == 8
+    assert "blk.0.ffn_up.weight" in caplog.text and "Q3_K" in caplog.text and "MiB" in caplog.text
+    step = np.abs(expected).max(axis=1, keepdims=True) / 127
+    assert (np.abs(held.dequantize().numpy() - expected) <= step).all()
+    with pytest.raises(ValueError, match=r"blk.0.ffn_gate.weight.*Q8_K.*supported: Q4_0"):
+        GGUFTensor(file, file.tensors["blk.0.ffn_gate.weight"]).quantized(4)
