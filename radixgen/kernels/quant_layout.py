@@ -116,10 +116,28 @@ def _halves(part: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return values[torch.arange(values.shape[0], device=part.device), :, rows].unsqueeze(-1)
 
 
+_DECODE_BLOCKS = 64
+"""Blocks decoded at a time: the integer and float temporaries of a whole LM head were several
+times its float size."""
+
+
 def dequantize_records(records: torch.Tensor, bits: int, rows: torch.Tensor | None = None,
                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float weight rows of ``records`` [B, groups, record bytes] of any width: all 16 rows of
     each block ([B * 16, in], padding included), or row ``rows[i]`` of block i ([B, in])."""
+    blocks, groups, _ = records.shape
+    if blocks <= _DECODE_BLOCKS:
+        return _decode(records, bits, rows, dtype)
+    per_block = 1 if rows is not None else BLOCK_ROWS
+    out = torch.empty(blocks * per_block, groups * GROUP, dtype=dtype, device=records.device)
+    for start in range(0, blocks, _DECODE_BLOCKS):
+        end = min(start + _DECODE_BLOCKS, blocks)
+        out[start * per_block : end * per_block] = _decode(
+            records[start:end], bits, None if rows is None else rows[start:end], dtype)
+    return out
+
+
+def _decode(records: torch.Tensor, bits: int, rows: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     blocks, groups, _ = records.shape
     qbytes = quant_bytes(bits)
     if bits == 8:  # chunk p holds elements 2p, 2p + 1

@@ -141,11 +141,12 @@ inline int32_t record_value(const uint8_t* rec, int64_t r, int64_t e) {
 
 // Blocks [begin, end) of 16 rows against kTokens tokens. kSplit integer accumulators per token
 // (two where few tokens leave the multiply-adds' latency exposed): integer sums are exact, so the
-// split does not change a result.
+// split does not change a result. 6 bits: always two, one per half of the group (each half has
+// its scale).
 template <int kBits, int kTokens>
 void blocks_avx512(const Activations& a, const uint8_t* __restrict packed, int64_t n, int64_t begin, int64_t end,
                    float* __restrict out) {
-  constexpr int kSplit = kTokens <= 4 ? 2 : 1;
+  constexpr int kSplit = kBits == 6 || kTokens <= 4 ? 2 : 1;
   constexpr int64_t stride = record_bytes(kBits), qbytes = quant_bytes(kBits);
   const int64_t groups = a.groups;
   const int32_t* __restrict x32 = reinterpret_cast<const int32_t*>(a.xq);  // element pairs
@@ -163,31 +164,53 @@ void blocks_avx512(const Activations& a, const uint8_t* __restrict packed, int64
       for (int t = 0; t < kTokens; ++t)
         for (int s = 0; s < kSplit; ++s) iacc[t][s] = _mm512_setzero_si512();
       const int32_t* __restrict xg = x32 + g * (kGroup / 2);
-      if constexpr (kBits == 4) {
+      if constexpr (kBits == 8) {
+        for (int p = 0; p < 16; ++p) {
+          const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * p)));
+          for (int t = 0; t < kTokens; ++t)
+            iacc[t][p % kSplit] = _mm512_dpwssd_epi32(iacc[t][p % kSplit], w, _mm512_set1_epi32(xg[t * pairs_per_token + p]));
+        }
+      } else {
         for (int c = 0; c < 8; ++c) {
           const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * c)));
-          const __m512i lo = _mm512_and_si512(raw, low_nibbles), hi = _mm512_srli_epi16(raw, 4);
+          __m512i lo = _mm512_and_si512(raw, low_nibbles), hi = _mm512_srli_epi16(raw, 4);
+          if constexpr (kBits != 4) {
+            constexpr int ex = extra_bits(kBits), h = high_rows(kBits);
+            const __m512i upper = _mm512_srl_epi16(
+                _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256 + (c % h) * 32))),
+                _mm_cvtsi32_si128((c / h) * 2 * ex));
+            const __m512i mask = _mm512_set1_epi16((1 << ex) - 1);
+            lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(upper, mask), 4));
+            hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(upper, ex), mask), 4));
+            if constexpr (kBits == 6) {
+              const __m512i offset = _mm512_set1_epi16(32);
+              lo = _mm512_sub_epi16(lo, offset), hi = _mm512_sub_epi16(hi, offset);
+            }
+          }
           for (int t = 0; t < kTokens; ++t) {
             const int32_t* xt = xg + t * pairs_per_token;
             iacc[t][0] = _mm512_dpwssd_epi32(iacc[t][0], lo, _mm512_set1_epi32(xt[c]));
             iacc[t][kSplit - 1] = _mm512_dpwssd_epi32(iacc[t][kSplit - 1], hi, _mm512_set1_epi32(xt[c + 8]));
           }
         }
-      } else {
-        for (int p = 0; p < 16; ++p) {
-          const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * p)));
-          for (int t = 0; t < kTokens; ++t)
-            iacc[t][p % kSplit] = _mm512_dpwssd_epi32(iacc[t][p % kSplit], w, _mm512_set1_epi32(xg[t * pairs_per_token + p]));
-        }
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + qbytes)));
-      for (int t = 0; t < kTokens; ++t) {
-        __m512i sums = iacc[t][0];
-        if constexpr (kSplit == 2) sums = _mm512_add_epi32(sums, iacc[t][1]);
-        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a.xd[t * groups + g]));
-        facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, facc[t]);
+      if constexpr (kBits == 6) {
+        const __m512 d_high = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + qbytes + kScaleBytes)));
+        for (int t = 0; t < kTokens; ++t) {
+          const __m512 xd = _mm512_set1_ps(a.xd[t * groups + g]);
+          facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[t][0]), _mm512_mul_ps(d, xd), facc[t]);
+          facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[t][1]), _mm512_mul_ps(d_high, xd), facc[t]);
+        }
+      } else {
+        for (int t = 0; t < kTokens; ++t) {
+          __m512i sums = iacc[t][0];
+          if constexpr (kSplit == 2) sums = _mm512_add_epi32(sums, iacc[t][1]);
+          const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a.xd[t * groups + g]));
+          facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, facc[t]);
+        }
       }
-      if constexpr (kBits == 4) {
+      if constexpr (has_min(kBits)) {
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + qbytes + kScaleBytes)));
         for (int t = 0; t < kTokens; ++t) facc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.xs[t * groups + g]), facc[t]);
       }
@@ -198,7 +221,8 @@ void blocks_avx512(const Activations& a, const uint8_t* __restrict packed, int64
   }
 }
 
-constexpr int64_t kPass512 = 12;  // tokens per pass over a block (two accumulators each fit the 32 registers)
+// tokens per pass over a block: two accumulators each fit the 32 registers; 6 bits, three each
+constexpr int64_t kPass512 = 12, kPass512SixBits = 8;
 template <int kBits>
 constexpr Blocks kBlocks512[] = {nullptr,
                                  blocks_avx512<kBits, 1>, blocks_avx512<kBits, 2>, blocks_avx512<kBits, 3>,
@@ -211,8 +235,7 @@ constexpr Blocks kBlocks512[] = {nullptr,
 #if defined(__AVX2__)
 
 // The same arithmetic on 256-bit registers: a chunk's 16 rows as two halves of 8, madd_epi16 (16
-// products summed in pairs) then an add in place of vpdpwssd. The 5- and 6-bit records run here
-// on AVX-512 machines too. 6 bits: the group's two halves have scales of their own, so each keeps
+// products summed in pairs) then an add in place of vpdpwssd. 6 bits: the group's two halves have scales of their own, so each keeps
 // integer sums of its own.
 template <int kBits, int kTokens>
 void blocks_avx2(const Activations& a, const uint8_t* __restrict packed, int64_t n, int64_t begin, int64_t end,
@@ -355,8 +378,12 @@ struct Kernel {
 
 Kernel kernel_for(int64_t bits) {
 #if defined(RADIXGEN_QUANT_AVX512)
-  if (bits == 4) return {kBlocks512<4>, kPass512};
-  if (bits == 8) return {kBlocks512<8>, kPass512};
+  switch (bits) {
+    case 4: return {kBlocks512<4>, kPass512};
+    case 5: return {kBlocks512<5>, kPass512};
+    case 6: return {kBlocks512<6>, kPass512SixBits};
+    default: return {kBlocks512<8>, kPass512};
+  }
 #endif
 #if defined(__AVX2__)
   switch (bits) {

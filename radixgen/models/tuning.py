@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from radixgen.host_memory import release_freed_memory
 from radixgen.kernels import CpuKernels, source_digest
 from radixgen.models.attention.base import AttentionBatch, LayerAttention
 from radixgen.models.attention.cpu import CpuAttention
@@ -287,19 +288,33 @@ QUANT_STEP_SIZES = (32, 128)
 dense copy: a decode batch of 32, a prefill chunk."""
 _QUANT_TIMED_LAYERS = 4
 """Layers timed (with the LM head): at these sizes the step is compute-bound, so a few layers
-rank the implementations as the whole model would."""
+rank the implementations as the whole model would; fewer where their dense copies would pass
+``_QUANT_TIMED_DENSE_BYTES`` (the timing's dense copies set a real model's start's peak memory)."""
+_QUANT_TIMED_DENSE_BYTES = 96 << 20
 
 
-def _quantized_linears(model: CausalLM) -> list[QuantizedLinear]:
-    layers = model.decoder_layers()[:_QUANT_TIMED_LAYERS]
-    found = [m for layer in layers for m in layer.modules() if isinstance(m, QuantizedLinear)]
+_QUANT_TIMED_HEAD_BYTES = 64 << 20
+"""The LM head is timed with the layers where its dense copy is at most this size: a real
+vocabulary's (150k x 896 in float32: 545 MB, twice that while oneDNN reorders it) made the start's
+peak memory several times the model's."""
+
+
+def _quantized_linears(model: CausalLM, dtype: torch.dtype) -> list[QuantizedLinear]:
+    found: list[QuantizedLinear] = []
+    for layer in model.decoder_layers()[:_QUANT_TIMED_LAYERS]:
+        linears = [m for m in layer.modules() if isinstance(m, QuantizedLinear)]
+        dense_bytes = sum(m.out_features * m.in_features * dtype.itemsize for m in [*found, *linears])
+        if found and dense_bytes > _QUANT_TIMED_DENSE_BYTES:
+            break
+        found += linears
     head = model.lm_head if isinstance(model.lm_head, QuantizedLinear) else (
         model.quantized_embed.head if model.quantized_embed is not None else None)
-    return found + ([head] if head is not None else [])
+    small = head is not None and head.out_features * head.in_features * dtype.itemsize <= _QUANT_TIMED_HEAD_BYTES
+    return found + ([head] if head is not None and small else [])
 
 
 def _choose_quant_linear(model: CausalLM, dtype: torch.dtype, tokens: int) -> OpChoice | None:
-    linears = _quantized_linears(model)
+    linears = _quantized_linears(model, dtype)
     if not linears:
         return None
     inputs = [torch.randn(tokens, m.in_features).to(dtype) for m in linears]
@@ -313,6 +328,7 @@ def _choose_quant_linear(model: CausalLM, dtype: torch.dtype, tokens: int) -> Op
         finally:
             for m in linears:
                 m.drop_dense()
+            release_freed_memory()  # malloc keeps freed memory otherwise (host_memory.py)
 
     return choose(f"quant_linear_{tokens}_tokens", [Implementation("blocks"), Implementation("dense")], time_ms)
 
