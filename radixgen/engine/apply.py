@@ -103,16 +103,23 @@ class StepApplier:
                 if plan.batch_version is not None and plain.all():  # each row appended exactly its sample
                     self.planner.next_decode_inputs = (plan.batch_version, result.token_ids.copy())
             rest = list(range(len(plan.requests))) if plain is None else np.flatnonzero(~plain).tolist()
-        allow_jump = len(self.planner.running) <= self.config.jump_forward_max_batch
+        running = len(self.planner.running)
+        allow_jump = running <= self.config.jump_forward_max_batch
+        drafter = self.planner.drafter
         extend_lens = plan.extend_lens.tolist() if rest else []
         for i in rest:
             req = plan.requests[i]
             req.num_computed += extend_lens[i]
+            # a greedy drafting request drafts the forced text with what follows it, in the decode
+            # step, instead of a jump-forward extend of its own (the output is the same: both are
+            # verified against the model's argmax); a sampled one keeps jump-forward, which appends
+            # the forced text's own tokens where drafting would sample them
+            jump = allow_jump and not (req.params.is_greedy and drafter.active and drafter.drafting(req, running))
             try:
                 if verdicts is not None and i in verdicts:
-                    out = self._apply_verdict(req, plan, i, result, verdicts[i], allow_jump)
+                    out = self._apply_verdict(req, plan, i, result, verdicts[i], jump)
                 else:
-                    out = self._apply_result(req, plan, i, token_ids, result, num_prefill, allow_jump)
+                    out = self._apply_result(req, plan, i, token_ids, result, num_prefill, jump)
             except Exception as e:  # noqa: BLE001 - one request's fault (user code, a bug) ends it alone
                 logger.exception("applying the step's result to %s failed", req.request_id)
                 out = self._fail_request(req, f"internal error: {type(e).__name__}: {e}")
@@ -128,6 +135,7 @@ class StepApplier:
             step.kind, step.decode_rows = "decode", plan.batch_size
             step.drafted_tokens = int(plan.draft_lens.sum())
             step.accepted_tokens = sum(len(v.accepted) for v in (verdicts or {}).values())
+            step.verified_drafts = int((plan.draft_lens > 0).sum())
         step.forward_s = forward_s
         self.stats.record(step, queue_depth=len(self.planner.waiting), running=len(self.planner.running),
                           kv_used=self.kv.used(), cached=self.kv.cached_tokens())

@@ -35,11 +35,15 @@ class NgramIndex:
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the longest recent match of the sequence's suffix
         (at least two tokens long: a single common token predicts too little to pay)."""
+        return self.propose_from(tokens, k)[0]
+
+    def propose_from(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """``propose``'s tokens and the position they start at in ``tokens`` (-1: none)."""
         for n in range(min(self.max_n, len(tokens)), _MIN_MATCH - 1, -1):
             start = self.tables[n].get(tuple(tokens[len(tokens) - n :]))
             if start is not None:
-                return tokens[start : start + k]
-        return []
+                return tokens[start : start + k], start
+        return [], -1
 
 
 @dataclass
@@ -51,6 +55,10 @@ class DraftState:
     """The request's prompt and output, kept up to date by appending (not rebuilt each step)."""
     draft: list[int] = field(default_factory=list)
     """The tokens drafted for this step (verified after the forward)."""
+    draft_forced: int = 0
+    """How many of them lead the draft as the constraint's forced text."""
+    draft_source: str = "ngram"
+    """Where the rest came from: copied (a span of the prompt) or ngram (of the output)."""
     length: int = 2
     """How many tokens to draft next: doubled after a draft accepted whole, otherwise one more
     than the last draft's accepted part (a drafted position costs about a quarter of a decode

@@ -403,7 +403,7 @@ class BatchPlanner:
         and the caller plans after applying the results instead."""
         if (plan.kind is not StepKind.DECODE or plan.draft_lens is not None
                 or plan.batch_version is None or plan.batch_version != self.running_version
-                or self.chunked is not None or self.drafter.active
+                or self.chunked is not None or self.drafter.may_draft(plan.requests)
                 or (self.waiting and len(self.running) < self.config.max_running_requests)):
             return None
         positions = plan.positions + 1

@@ -66,8 +66,7 @@ class Scheduler:
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
         self.requests[req.request_id] = req
         self.appender.add(req)
-        if req.params.speculative:
-            self.planner.drafter.requested = True
+        self.planner.drafter.note_request(req)
         self.planner.waiting.append(req)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> bool:

@@ -106,14 +106,19 @@ class DraftCost:
 class NgramDrafter:
     def __init__(self, config: EngineConfig, max_context_len: int) -> None:
         self.by_default = config.speculative == "ngram"
+        self.constrained_by_default = config.speculative == "auto"
         self.requested = False
-        """A request asked for speculation while it is off by default."""
+        """A request that may draft has arrived (while not every request does)."""
         self.max_context_len = max_context_len
         self.max_draft = config.speculative_max_draft
+        self.max_batch = config.speculative_max_batch
         self.step_budget = config.speculative_step_budget
         self.ngram_max = config.speculative_ngram_max
         self.drafted_tokens = 0
         self.accepted_tokens = 0
+        self.accepted_by_source = {"forced": 0, "copied": 0, "ngram": 0}
+        """Accepted draft tokens by where they came from: the constraint's forced text, a span
+        of the prompt, or an earlier stretch of the output."""
         self.cost = DraftCost()
         self._rows = 1  # the running batch at the last draft
         self.tokenizer: Any = None
@@ -123,10 +128,34 @@ class NgramDrafter:
         """Whether any request may draft (off by default and never asked for: no cost per step)."""
         return self.by_default or self.requested
 
-    def eligible(self, req: Request) -> bool:
+    def wants(self, req: Request) -> bool:
+        """Whether the request drafts: its own setting, else the engine's (auto: a JSON schema,
+        regex, choice or grammar constraint; tool-call structures, whose free text the model
+        writes, do not)."""
         p = req.params
-        wanted = self.by_default if p.speculative is None else p.speculative
-        return wanted
+        if p.speculative is not None:
+            return p.speculative
+        return self.by_default or (self.constrained_by_default and p.constraint is not None
+                                   and p.constraint.kind != "structural")
+
+    def drafting(self, req: Request, batch: int) -> bool:
+        """Whether the request drafts in a step of ``batch`` running requests (under auto, only in
+        small batches, unless the request asked for drafting itself)."""
+        state = req.speculation
+        if not self.wants(req) or (state is not None and state.gave_up):
+            return False
+        return batch <= self.max_batch or self.by_default or req.params.speculative is True
+
+    def may_draft(self, reqs: list[Request]) -> bool:
+        """Whether any of these requests may draft in its next step (overlapped scheduling plans a
+        step ahead only where none does)."""
+        if not self.active:
+            return False
+        return any(self.drafting(r, len(reqs)) for r in reqs)
+
+    def note_request(self, req: Request) -> None:
+        if self.wants(req):
+            self.requested = True
 
     def draft(self, reqs: list[Request]) -> dict[Request, list[int]]:
         """Drafts for this step's running requests (those that have one), within the budget."""
@@ -138,8 +167,8 @@ class NgramDrafter:
                 break
             state = req.speculation
             if state is None:
-                state = req.speculation = DraftState(NgramIndex(self.ngram_max), gave_up=not self.eligible(req))
-            if state.gave_up or len(req.output_ids) < req.params.min_new_tokens:
+                state = req.speculation = DraftState(NgramIndex(self.ngram_max), gave_up=not self.wants(req))
+            if state.gave_up or len(req.output_ids) < req.params.min_new_tokens or not self.drafting(req, len(reqs)):
                 continue
             # the newest token and the drafts must fit the request's budget and the context
             room = min(state.length, budget, req.tokens_left(self.max_context_len) - 1)
@@ -149,11 +178,14 @@ class NgramDrafter:
             state.index.update(tokens)
             constraint = req.constraint
             forced = self._forced(constraint.matcher, room) if constraint is not None else []
-            draft = forced + state.index.propose(tokens + forced, room - len(forced))
+            proposed, found_at = state.index.propose_from(tokens + forced, room - len(forced))
+            draft = forced + proposed
             if draft and constraint is not None:
                 draft = _grammatical_prefix(constraint.matcher, draft)
             if draft:
                 state.draft = draft
+                state.draft_forced = min(len(forced), len(draft))
+                state.draft_source = "copied" if found_at < req.prompt_len else "ngram"
                 drafts[req] = draft
                 budget -= len(draft)
         return drafts
@@ -177,6 +209,9 @@ class NgramDrafter:
             state.length = min(self.max_draft, 2 * drafted) if accepted == drafted else accepted + 1
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
+        forced = min(accepted, state.draft_forced)
+        self.accepted_by_source["forced"] += forced
+        self.accepted_by_source[state.draft_source] += accepted - forced
         if state.drafted >= _GIVE_UP_AFTER and state.accepted < self.cost.break_even(self._rows) * state.drafted:
             state.gave_up = True
 

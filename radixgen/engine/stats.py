@@ -27,6 +27,8 @@ class StepRecord:
     forward_s: float = 0.0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    verified_drafts: int = 0
+    """Rows whose draft the step verified."""
     dropped_rows: int = 0
     """Overlapped scheduling: rows computed for requests that had ended or changed course by the
     time the step landed (counted in new_tokens, not applied)."""
@@ -63,6 +65,9 @@ class SchedulerStats:
         """Tokens speculative decoding drafted (and verified in a decode step)."""
         self.accepted_tokens = 0
         """Drafted tokens that became output."""
+        self.verified_drafts = 0
+        """Drafts verified (a request's draft in one step): accepted_tokens / verified_drafts is
+        what a verification gains."""
         self.num_shortened = 0
         """Constrained requests that budget steering closed early so they finished in budget."""
         self.num_constraint_refusals = 0
@@ -109,6 +114,7 @@ class SchedulerStats:
         self.num_jump_forwards += step.jump_forwards
         self.drafted_tokens += step.drafted_tokens
         self.accepted_tokens += step.accepted_tokens
+        self.verified_drafts += step.verified_drafts
         self.schedule_time_s += step.schedule_s
         self.forward_time_s += step.forward_s
         self.queue_depth, self.running, self.kv_used, self.cached_tokens = queue_depth, running, kv_used, cached
@@ -120,7 +126,7 @@ class SchedulerStats:
     def snapshot(self) -> dict[str, float]:
         keys = ("num_steps", "num_prefill_steps", "num_decode_steps", "prompt_tokens", "cached_prompt_tokens",
                 "computed_tokens", "generated_tokens", "evicted_tokens", "num_retractions", "num_repeat_retractions",
-                "num_rollbacks", "num_jump_forwards", "drafted_tokens", "accepted_tokens", "num_shortened",
+                "num_rollbacks", "num_jump_forwards", "drafted_tokens", "accepted_tokens", "verified_drafts", "num_shortened",
                 "num_constraint_refusals", "num_constraint_violations", "num_searched_values", "schedule_time_s",
                 "forward_time_s", "queue_depth", "running", "kv_used", "cached_tokens")
         out: dict[str, float] = {k: getattr(self, k) for k in keys}

@@ -152,7 +152,8 @@ def _jf_runs(make_engine: Callable[..., Engine], model: str | None, prompts: lis
     tokens are already in the radix cache (they must still be verified against the model)."""
     runs = []
     for jump in (False, True):
-        engine = make_engine(jump_forward=jump, **({"model": model} if model else {}))
+        # drafting off: a drafting request takes the forced text as drafts, not jump-forward
+        engine = make_engine(jump_forward=jump, speculative="off", **({"model": model} if model else {}))
         for _ in range(1 + jump):
             steps_before = engine.scheduler.stats.num_decode_steps
             texts = []

@@ -4,6 +4,7 @@ before it. Here (CPU) the reads are counted by patching torch's reading calls du
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import traceback
 from collections.abc import Callable
@@ -104,6 +105,8 @@ def test_verification_steps_read_nothing_before_their_one_read_back(make_engine:
         SamplingParams(max_new_tokens=40, temperature=0, json_schema=schema),
     ]
     outs = engine.generate([prompt] * 4, params)
+    # a constrained request that does not draft takes the forced text by jump-forward
+    engine.generate(prompt, dataclasses.replace(params[3], speculative=False))
     stats = engine.scheduler.stats
     assert stats.drafted_tokens > 0 and stats.num_jump_forwards > 0, "drafts and forced text should have run"
     assert all(len(o.token_ids) == 16 for o in outs[:3]) and outs[3].text.startswith("{")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -71,7 +72,7 @@ def test_drafts_must_be_accepted_as_often_as_they_cost_at_the_batch_size() -> No
 @pytest.mark.parametrize("cache", [True, False])
 def test_greedy_outputs_equal_those_without_speculation_alone_and_batched(
         make_engine: Callable[..., Engine], cache: bool) -> None:
-    plain = make_engine(disable_radix_cache=not cache)
+    plain = make_engine(disable_radix_cache=not cache, speculative="off")
     spec = make_engine(disable_radix_cache=not cache, speculative="ngram")
     lengths = [40, 64, 23, 50, 31]
     expected = [o.token_ids for o in plain.generate(PROMPTS, [greedy(n) for n in lengths])]
@@ -94,7 +95,7 @@ def test_sampled_outputs_equal_those_without_speculation_for_the_same_seed(
     difference between an extend's and a decode's logits moves an inverse-CDF sample to a
     neighbouring token; top-k keeps a handful, so the same uniform picks the same token (an
     automaton's mask does the same for the regex)."""
-    plain = make_engine()
+    plain = make_engine(speculative="off")
     spec = make_engine(speculative="ngram")
 
     def sampled(n: int, seed: int, **kw: Any) -> SamplingParams:
@@ -114,7 +115,7 @@ def test_sampled_outputs_equal_those_without_speculation_for_the_same_seed(
 
 
 def test_log_probabilities_of_drafted_tokens_are_those_of_a_decode_step(make_engine: Callable[..., Engine]) -> None:
-    plain = make_engine()
+    plain = make_engine(speculative="off")
     spec = make_engine(speculative="ngram")
     params = [greedy(40, logprobs=True, top_logprobs=3), greedy(30, logprobs=True, regex=r"(ab|cd){3,12}x")]
     prompts = [PROMPTS[1], "Pattern:"]
@@ -133,7 +134,7 @@ def test_penalties_and_logit_bias_count_the_drafts_before_each_position(make_eng
     """Through the engine: penalised and biased rows speculate and give the outputs they give
     without (test_sampler checks the penalties of each position exactly; the tiny model copies
     little once penalised strongly, so the light penalties are the ones whose drafts pass)."""
-    plain = make_engine()
+    plain = make_engine(speculative="off")
     spec = make_engine(speculative="ngram")
     params = [greedy(48, repetition_penalty=1.3), greedy(40, frequency_penalty=0.4, presence_penalty=0.3),
               greedy(64, frequency_penalty=0.02), greedy(64, frequency_penalty=0.05),
@@ -151,7 +152,7 @@ def test_penalties_and_logit_bias_count_the_drafts_before_each_position(make_eng
 
 
 def test_speculation_under_retraction_keeps_outputs_and_the_pool_balanced(make_engine: Callable[..., Engine]) -> None:
-    roomy = make_engine()
+    roomy = make_engine(speculative="off")
     expected = [o.token_ids for o in roomy.generate(PROMPTS * 2, greedy(60))]
     tight = make_engine(kv_cache_tokens=420, speculative="ngram")
     assert [o.token_ids for o in tight.generate(PROMPTS * 2, greedy(60))] == expected
@@ -161,7 +162,7 @@ def test_speculation_under_retraction_keeps_outputs_and_the_pool_balanced(make_e
 
 
 def test_constrained_outputs_equal_and_valid_with_speculation(make_engine: Callable[..., Engine]) -> None:
-    plain = make_engine()
+    plain = make_engine(speculative="off")
     spec = make_engine(speculative="ngram")
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 12},
                                                "b": {"type": "array", "items": {"type": "integer"}, "maxItems": 4}},
@@ -179,7 +180,7 @@ def test_validators_see_the_accepted_drafts_and_roll_them_back(make_engine: Call
     """A validator that rejects a value made of drafted tokens rolls the output back into the
     verified draft, and the result is the one without speculation (here every copy of the
     first value is refused, so the request resamples while drafting from its own output)."""
-    plain = make_engine()
+    plain = make_engine(speculative="off")
     spec = make_engine(speculative="ngram")
     schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 6},
                                                          "minItems": 3, "maxItems": 5}}, "required": ["items"]}
@@ -211,7 +212,7 @@ def test_the_text_a_constraint_forces_is_drafted(make_engine: Callable[..., Engi
                                                "family_name": {"type": "string", "maxLength": 8},
                                                "home_town": {"type": "string", "maxLength": 8}},
               "required": ["first_name", "family_name", "home_town"], "additionalProperties": False}
-    plain = make_engine(jump_forward=False)
+    plain = make_engine(jump_forward=False, speculative="off")
     spec = make_engine(jump_forward=False, speculative="ngram")
     params = SamplingParams(max_new_tokens=80, temperature=0.0, json_schema=schema)
     expected = plain.generate("Person:", params)
@@ -223,7 +224,7 @@ def test_the_text_a_constraint_forces_is_drafted(make_engine: Callable[..., Engi
 
 
 def test_a_request_overrides_the_engine_setting_either_way(make_engine: Callable[..., Engine]) -> None:
-    off = make_engine()
+    off = make_engine(speculative="off")
     expected = off.generate(PROMPTS[1], greedy(48)).token_ids
     assert off.scheduler.stats.drafted_tokens == 0
     assert off.generate(PROMPTS[1], greedy(48, speculative=True)).token_ids == expected
@@ -270,7 +271,8 @@ def test_the_bundled_model_gives_the_same_chat_json_and_regex_outputs(
     params = [SamplingParams(max_new_tokens=64, temperature=0.0),
               SamplingParams(max_new_tokens=64, temperature=0.0, json_schema=schema),
               SamplingParams(max_new_tokens=24, temperature=0.0, regex=r"[A-Z][a-z]+ [A-Z][a-z]+, [0-9]{1,3}")]
-    expected = [o.token_ids for o in real_engine.generate(prompts, params)]
+    expected = [o.token_ids for o in real_engine.generate(
+        prompts, [dataclasses.replace(p, speculative=False) for p in params])]
     spec = make_engine(model=str(real_engine.model_path), kv_cache_tokens=16384, max_context_len=2048,
                        speculative="ngram")
     assert [o.token_ids for o in spec.generate(prompts, params)] == expected
@@ -278,3 +280,74 @@ def test_the_bundled_model_gives_the_same_chat_json_and_regex_outputs(
     assert copied.token_ids == expected[0] and text[:40] in copied.text
     stats = spec.scheduler.stats
     assert stats.accepted_tokens >= 20, stats.snapshot()  # the copy was drafted from the prompt
+
+
+def test_by_default_constrained_requests_draft_and_free_text_does_not(make_engine: Callable[..., Engine]) -> None:
+    """The default (auto): constrained answers draft the text their grammar forces and spans copied
+    from the prompt, and come out token for token as without drafting, greedy and seeded; a
+    free-text request beside them does not draft."""
+    off = make_engine(speculative="off")
+    auto = make_engine()
+    document = "Order 88-1204 from Alma Reyes, shipped to Lisbon on 2024-05-17, two crates of figs."
+    schemas = [
+        {"type": "object", "properties": {"order": {"type": "string", "maxLength": 12},
+                                          "customer": {"type": "string", "maxLength": 20},
+                                          "city": {"type": "string", "maxLength": 12}},
+         "required": ["order", "customer", "city"], "additionalProperties": False},
+        {"type": "object", "properties": {"shipped": {"type": "string", "format": "date"},
+                                          "crates": {"type": "integer", "minimum": 0, "maximum": 99}},
+         "required": ["shipped", "crates"], "additionalProperties": False},
+    ]
+    prompts = [f"{document}\nAs JSON:", f"Text: {document}\nThe fields:"]
+    for temperature, seed in ((0.0, None), (0.8, 7)):
+        params = [SamplingParams(max_new_tokens=60, temperature=temperature, seed=seed, json_schema=schema)
+                  for schema in schemas]
+        for prompt in prompts:
+            expected = [o.token_ids for o in off.generate([prompt, prompt], params)]
+            assert [o.token_ids for o in auto.generate([prompt, prompt], params)] == expected
+    drafter = auto.scheduler.planner.drafter
+    assert drafter.accepted_by_source["forced"] > 0, drafter.accepted_by_source
+    assert sum(drafter.accepted_by_source.values()) == auto.scheduler.stats.accepted_tokens
+    drafted = auto.scheduler.stats.drafted_tokens
+    auto.generate(PROMPTS[1], greedy(32))  # free text: no draft under the default
+    assert auto.scheduler.stats.drafted_tokens == drafted and off.scheduler.stats.drafted_tokens == 0
+
+
+def test_a_draft_that_leaves_the_grammar_is_cut_at_that_token(tiny_engine: Engine) -> None:
+    """The automaton walks the draft: tokens up to the first one it rejects are kept, the rest cut,
+    and the automaton is left where it was (the verification walks it again)."""
+    from radixgen.constraints.spec import regex_spec
+    from radixgen.engine.speculative import _grammatical_prefix
+
+    grammar = tiny_engine.constraints.grammars().compile(regex_spec(r"ab[0-9]{3}z"))
+    matcher = grammar.matcher()
+    tok = tiny_engine.tokenizer
+
+    def ids(text: str) -> list[int]:
+        return [tok.convert_tokens_to_ids(c) for c in text]  # one token per character
+
+    draft = ids("ab12x9z")  # leaves the grammar at "x"
+    assert all(t != tok.unk_token_id for t in draft)
+    assert _grammatical_prefix(matcher, draft) == ids("ab12")
+    assert _grammatical_prefix(matcher, draft) == ids("ab12"), "the automaton was rolled back"
+    assert matcher.accept(ids("a")[0]) and not matcher.accept(ids("z")[0])
+
+
+def test_drafting_backs_off_in_a_large_batch_unless_a_request_asks(make_engine: Callable[..., Engine]) -> None:
+    """auto drafts only while at most speculative_max_batch requests run; a request's own
+    speculative=True drafts at any size; outputs are the same either way."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 5},
+                                                        "minItems": 4, "maxItems": 4}},
+              "required": ["name", "tags"], "additionalProperties": False}
+    params = SamplingParams(max_new_tokens=60, temperature=0.0, json_schema=schema, ignore_eos=True)
+    prompts = [f"Record {i}:" for i in range(6)]
+    small, capped = make_engine(), make_engine(speculative_max_batch=2)
+    expected = [o.token_ids for o in small.generate(prompts, params)]
+    assert small.scheduler.stats.drafted_tokens > 0
+    assert [o.token_ids for o in capped.generate(prompts, params)] == expected
+    assert capped.scheduler.stats.drafted_tokens < small.scheduler.stats.drafted_tokens
+    before = capped.scheduler.stats.drafted_tokens
+    asked = dataclasses.replace(params, speculative=True)
+    assert [o.token_ids for o in capped.generate(prompts, asked)] == expected
+    assert capped.scheduler.stats.drafted_tokens - before >= small.scheduler.stats.drafted_tokens // 2
