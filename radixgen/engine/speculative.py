@@ -227,14 +227,19 @@ def _current_tokens(req: Request, state: DraftState) -> list[int]:
 
 
 def _grammatical_prefix(matcher: Matcher, draft: list[int]) -> list[int]:
-    """The draft up to the first token the request's automaton rejects (its state unchanged)."""
-    taken = 0
+    """The draft up to the first token the request's automaton rejects, and before a stop token
+    that would end it (the end is the model's to choose; verifying past it would ask a finished
+    automaton for a mask); the automaton's state unchanged."""
+    taken = walked = 0
     for token in draft:
         if matcher.is_terminated() or not matcher.accept(token):
             break
+        walked += 1
+        if matcher.is_terminated():
+            break
         taken += 1
-    if taken:
-        matcher.rollback(taken)
+    if walked:
+        matcher.rollback(walked)
     return draft[:taken]
 
 

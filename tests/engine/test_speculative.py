@@ -330,6 +330,9 @@ def test_a_draft_that_leaves_the_grammar_is_cut_at_that_token(tiny_engine: Engin
     assert all(t != tok.unk_token_id for t in draft)
     assert _grammatical_prefix(matcher, draft) == ids("ab12")
     assert _grammatical_prefix(matcher, draft) == ids("ab12"), "the automaton was rolled back"
+    eos = tiny_engine.model_config.eos_token_ids[0]
+    assert _grammatical_prefix(matcher, ids("ab123z") + [eos] + ids("ab")) == ids("ab123z"), \
+        "the stop token that would end the automaton is left to the model"
     assert matcher.accept(ids("a")[0]) and not matcher.accept(ids("z")[0])
 
 
