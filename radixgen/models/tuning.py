@@ -313,7 +313,15 @@ def _quantized_linears(model: CausalLM, dtype: torch.dtype) -> list[QuantizedLin
     return found + ([head] if head is not None and small else [])
 
 
+_DENSE_COPY_MAX_BYTES = 768 << 20
+"""A dense copy of every quantized linear is an option only up to this size: a real model's (2 GB
+in float32 for a 0.5B) would hold the file's weights several times over, whatever it saved."""
+
+
 def _choose_quant_linear(model: CausalLM, dtype: torch.dtype, tokens: int) -> OpChoice | None:
+    every = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    if sum(m.out_features * m.in_features for m in every) * dtype.itemsize > _DENSE_COPY_MAX_BYTES:
+        return None  # not timed: the blocks serve every step
     linears = _quantized_linears(model, dtype)
     if not linears:
         return None
