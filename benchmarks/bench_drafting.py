@@ -74,13 +74,15 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,4,16,64")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--max-draft", type=int, default=None, help="speculative_max_draft (default: the engine's)")
     args = parser.parse_args()
 
     from radixgen import Engine, EngineConfig, SamplingParams
 
     model = model_path(args.model)
+    draft = {} if args.max_draft is None else {"speculative_max_draft": args.max_draft}
     engines = {mode: Engine(EngineConfig(model=model, speculative=mode, kv_cache_tokens=32768, max_context_len=2048,
-                                         disable_radix_cache=True)) for mode in ("auto", "off")}
+                                         disable_radix_cache=True, **draft)) for mode in ("auto", "off")}
     extract = prompts(engines["off"], "Extract the record below as JSON: its id, the people, the organisation, "
                                       "the dates (YYYY-MM-DD) and a one-sentence summary.")
     summarise = prompts(engines["off"], "Summarise the record below in a few sentences.")
