@@ -30,17 +30,73 @@ def _flag_type(annotation: Any) -> tuple[Any, Sequence[Any] | None]:
     return str, None
 
 
+# The option groups of --help, in order; a field named in none goes to the last ("other").
+_GROUPS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "dtype", "weights", "device", "seed"),
+    "memory": ("max_context_len", "kv_cache_tokens", "kv_cache_gb", "mem_fraction", "disable_radix_cache"),
+    "scheduling": ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size", "max_mixed_prefill_tokens",
+                   "mixed_steps", "max_queued_requests", "schedule_policy", "overlap", "max_new_tokens_limit"),
+    "constraints": ("grammar_backend", "json_open_objects", "json_max_recursion_depth", "grammar_compile_timeout_s",
+                    "max_schema_bytes", "max_schema_depth", "jump_forward", "jump_forward_max_batch",
+                    "json_repeated_items", "budget_steering", "budget_margin_tokens", "tool_call_decision",
+                    "tool_call_threshold"),
+    "speculation": ("speculative", "speculative_max_draft", "speculative_max_batch", "speculative_step_budget",
+                    "speculative_ngram_max"),
+    "kernels": ("num_threads", "attention_backend", "small_linear_max_tokens", "tune_kernels", "cuda_graphs",
+                "cuda_graph_max_batch"),
+    "server": ("host", "port", "served_model_name", "api_key", "max_request_bytes", "max_n", "shutdown_timeout",
+               "engine_address", "engine_restarts", "event_log", "log_level"),
+    "scale-out": ("replicas", "ray_address", "routing"),
+}
+
+
+def field_docs(config_cls: type) -> dict[str, str]:
+    """Each dataclass field's docstring (the string literal after it in the class body), for
+    this class and its bases: the one source of an option's explanation."""
+    import ast
+    import inspect
+    import itertools
+    import textwrap
+
+    docs: dict[str, str] = {}
+    for cls in reversed(config_cls.__mro__):
+        if not dataclasses.is_dataclass(cls):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+        assert isinstance(body, ast.ClassDef)
+        for node, after in itertools.pairwise(body.body):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _help(doc: str, default: Any) -> str:
+    """The docstring's first sentence and the default (None: the docstring says what it means).
+    argparse formats help with %-style, so a literal % is doubled."""
+    sentence = doc.split(". ")[0].rstrip(".") + "." if doc else ""
+    shown = "" if default is None else f" (default: {default})"
+    return (sentence + shown).strip().replace("%", "%%")
+
+
 def add_config_flags(parser: argparse.ArgumentParser, config_cls: type[EngineConfig] = EngineConfig) -> None:
+    """One flag per config field, in groups, each with its docstring's first sentence as help.
+    Precedence: a flag given on the command line, else the field's default (an environment
+    variable, where a field reads one, is part of that default)."""
     hints = typing.get_type_hints(config_cls)
-    group = parser.add_argument_group("engine options")
+    docs = field_docs(config_cls)
+    groups = {name: parser.add_argument_group(f"{name} options") for name in _GROUPS}
+    other = parser.add_argument_group("other options")
     for f in dataclasses.fields(config_cls):
+        group = next((groups[g] for g, names in _GROUPS.items() if f.name in names), other)
         flag = "--" + f.name.replace("_", "-")
         annotation = hints[f.name]
+        text = _help(docs.get(f.name, ""), f.default)
         if annotation is bool or annotation == bool | None:  # --flag / --no-flag (neither: the default)
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
             continue
         kind, choices = _flag_type(annotation)
-        group.add_argument(flag, type=kind, choices=choices, default=f.default, help=f"default: {f.default}")
+        group.add_argument(flag, type=kind, choices=choices, default=f.default, help=text)
 
 
 def config_from_args(args: argparse.Namespace, config_cls: type[EngineConfig] = EngineConfig) -> EngineConfig:
