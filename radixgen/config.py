@@ -95,6 +95,7 @@ class EngineConfig:
     takes when neither kv_cache_tokens nor kv_cache_gb is given (the rest is left for the
     step's activations and logits)."""
     max_running_requests: int = 128
+    """Most requests decoding at once; more wait in the queue (their prompts not yet computed)."""
     max_prefill_tokens: int = 4096
     """Token budget of one prefill step."""
     chunked_prefill_size: int = 2048
@@ -109,9 +110,12 @@ class EngineConfig:
     weights read once) instead of waiting for the prefill queue to drain; attention still takes
     each part its own way. Off: prefill and decode steps strictly alternate by queue state."""
     max_queued_requests: int = 4096
+    """Most requests in flight, running and waiting; past it a new request is refused (HTTP 429 at
+    the server)."""
     schedule_policy: SchedulePolicy = "lpm"
     """lpm: longest cached prefix first (fcfs when the queue is long); fcfs: arrival order."""
     disable_radix_cache: bool = False
+    """Do not share cached prompt prefixes between requests (each prompt is computed in full)."""
     grammar_backend: GrammarBackend = "auto"
     """Constraint compiler: auto (xgrammar for regexes and the JSON Schema subset real APIs use,
     llguidance for the rest; measured in constraints/auto_backend.py), xgrammar or llguidance."""
@@ -225,6 +229,7 @@ class ServerConfig(EngineConfig):
     host: str = "127.0.0.1"
     """Loopback by default; binding elsewhere is an explicit choice."""
     port: int = 30000
+    """The port the server listens on."""
     served_model_name: str | None = None
     """The name /v1/models reports and requests may give as ``model``; None: the model folder's
     or GGUF file's name (SmolLM2-135M-Instruct for the bundled model)."""
