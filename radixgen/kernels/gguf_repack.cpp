@@ -75,23 +75,17 @@ void decode_group(int64_t type, const uint8_t* row, int64_t g, Group& out) {
   out.scale[1] = 0.f, out.min = 0.f;
   switch (type) {
     case kQ4_0:
-    case kQ4_1: {
-      const uint8_t* b = row + g * (type == kQ4_0 ? 18 : 20);
-      const float d = half_at(b);
-      out.scale[0] = d, out.min = type == kQ4_0 ? -8.f * d : half_at(b + 2);
-      const uint8_t* qs = b + (type == kQ4_0 ? 2 : 4);
-      for (int j = 0; j < 16; ++j) out.q[j] = qs[j] & 0xF, out.q[j + 16] = qs[j] >> 4;
-      return;
-    }
+    case kQ4_1:
     case kQ5_0:
     case kQ5_1: {
-      const uint8_t* b = row + g * (type == kQ5_0 ? 22 : 24);
+      // d, then m (the _1 types), then 32 high bits (the Q5 types), then 16 bytes of nibbles
+      const bool with_min = type == kQ4_1 || type == kQ5_1, five_bits = type == kQ5_0 || type == kQ5_1;
+      const uint8_t* b = row + g * type_info(type).block_bytes;
       const float d = half_at(b);
-      out.scale[0] = d, out.min = type == kQ5_0 ? -16.f * d : half_at(b + 2);
-      const uint8_t* hp = b + (type == kQ5_0 ? 2 : 4);
-      uint32_t qh;
-      std::memcpy(&qh, hp, 4);
-      const uint8_t* qs = hp + 4;
+      out.scale[0] = d, out.min = with_min ? half_at(b + 2) : (five_bits ? -16.f : -8.f) * d;
+      const uint8_t* qs = b + (with_min ? 4 : 2);
+      uint32_t qh = 0;
+      if (five_bits) std::memcpy(&qh, qs, 4), qs += 4;
       for (int j = 0; j < 16; ++j) {
         out.q[j] = (qs[j] & 0xF) | (((qh >> j) & 1) << 4);
         out.q[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
