@@ -38,7 +38,7 @@ def start(target: str, dtype: str, radixgen_args: list[str]) -> Any:
     if target == "radixgen":
         return launch_server("--dtype", dtype, *radixgen_args)
     if target == "radixgen-no-cache":
-        return launch_server("--dtype", dtype, "--disable-radix-cache", *radixgen_args)
+        return launch_server("--dtype", dtype, "--no-radix-cache", *radixgen_args)
     port = free_port()
     if target == "transformers":
         script = Path(__file__).resolve().parent / "peers" / "transformers_server.py"

@@ -79,12 +79,17 @@ def _help(doc: str, default: Any) -> str:
     return (sentence + shown).strip().replace("%", "%%")
 
 
+PRECEDENCE = ("Precedence: a flag given on the command line, else the environment variable an option names "
+              "(RADIXGEN_API_KEY for --api-key), else the default shown.")
+
+
 def add_config_flags(parser: argparse.ArgumentParser, config_cls: type[EngineConfig] = EngineConfig) -> None:
-    """One flag per config field, in groups, each with its docstring's first sentence as help.
-    Precedence: a flag given on the command line, else the field's default (an environment
-    variable, where a field reads one, is part of that default)."""
+    """One flag per config field, in groups, each with its docstring's first sentence as help
+    (``PRECEDENCE`` says which value wins). A ``disable_x`` field is the positive ``--x /
+    --no-x``; ``--disable-x`` stays accepted, unlisted."""
     hints = typing.get_type_hints(config_cls)
     docs = field_docs(config_cls)
+    parser.epilog = parser.epilog or PRECEDENCE
     groups = {name: parser.add_argument_group(f"{name} options") for name in _GROUPS}
     other = parser.add_argument_group("other options")
     for f in dataclasses.fields(config_cls):
@@ -92,6 +97,15 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls: type[EngineCon
         flag = "--" + f.name.replace("_", "-")
         annotation = hints[f.name]
         text = _help(docs.get(f.name, ""), f.default)
+        if f.name.startswith("disable_") and annotation is bool:  # --x / --no-x, stored negated
+            positive = f.name.removeprefix("disable_")
+            sentence = _help(docs.get(f.name, ""), None)
+            group.add_argument("--" + positive.replace("_", "-"), dest=positive, action=argparse.BooleanOptionalAction,
+                               default=None, help=f"{positive.replace('_', ' ').capitalize()} "
+                               f"{'off' if f.default else 'on'} by default; --no-{positive.replace('_', '-')}: "
+                               f"{sentence[:1].lower() + sentence[1:]}")
+            group.add_argument(flag, dest=f.name, action="store_true", default=f.default, help=argparse.SUPPRESS)
+            continue
         if annotation is bool or annotation == bool | None:  # --flag / --no-flag (neither: the default)
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
             continue
@@ -100,7 +114,12 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls: type[EngineCon
 
 
 def config_from_args(args: argparse.Namespace, config_cls: type[EngineConfig] = EngineConfig) -> EngineConfig:
-    return config_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)})
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)}
+    for name in values:
+        positive = getattr(args, name.removeprefix("disable_"), None) if name.startswith("disable_") else None
+        if positive is not None:  # --x / --no-x given: it wins over the old --disable-x
+            values[name] = not positive
+    return config_cls(**values)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

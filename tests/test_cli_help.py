@@ -29,3 +29,23 @@ def test_every_option_is_grouped_and_documented_from_its_field() -> None:
     assert actions["speculative"].help.endswith("(default: auto)")
     documented = [name for name in fields if name in docs]
     assert all(actions[name].help and actions[name].help[0] != "(" for name in documented)
+
+
+def test_a_disable_field_is_a_positive_flag_and_the_old_spelling_still_works() -> None:
+    from radixgen.cli import PRECEDENCE, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, ServerConfig)
+    text = parser.format_help()
+    assert "--radix-cache, --no-radix-cache" in text and "--disable-radix-cache" not in text
+    assert PRECEDENCE in " ".join(text.split())
+
+    def config(*argv: str) -> ServerConfig:
+        result = config_from_args(parser.parse_args(list(argv)), ServerConfig)
+        assert isinstance(result, ServerConfig)
+        return result
+
+    assert config().disable_radix_cache is False
+    assert config("--no-radix-cache").disable_radix_cache is True
+    assert config("--radix-cache").disable_radix_cache is False
+    assert config("--disable-radix-cache").disable_radix_cache is True  # the old spelling, unlisted
