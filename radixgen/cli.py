@@ -62,7 +62,11 @@ def field_docs(config_cls: type) -> dict[str, str]:
     for cls in reversed(config_cls.__mro__):
         if not dataclasses.is_dataclass(cls):
             continue
-        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):  # no source shipped (a bytecode-only install): flags without help
+            continue
+        body = ast.parse(textwrap.dedent(source)).body[0]
         assert isinstance(body, ast.ClassDef)
         for node, after in itertools.pairwise(body.body):
             if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
