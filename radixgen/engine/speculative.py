@@ -168,7 +168,7 @@ class NgramDrafter:
             state = req.speculation
             if state is None:
                 state = req.speculation = DraftState(NgramIndex(self.ngram_max), gave_up=not self.wants(req))
-            if state.gave_up or len(req.output_ids) < req.params.min_new_tokens or not self.drafting(req, len(reqs)):
+            if len(req.output_ids) < req.params.min_new_tokens or not self.drafting(req, len(reqs)):
                 continue
             # the newest token and the drafts must fit the request's budget and the context
             room = min(state.length, budget, req.tokens_left(self.max_context_len) - 1)

@@ -29,7 +29,7 @@ from radixgen.kernels import ops  # noqa: F401  # defines the fused ops before t
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in (
-    "kernels.cpp", "decode_attention.cpp", "prefill_attention.cpp", "prefill_attention_float.cpp", "small_linear.cpp", "fused_ops.cpp", "quant_linear.cpp", "gguf_repack.cpp", "common.h")]
+    "kernels.cpp", "decode_attention.cpp", "prefill_attention.cpp", "prefill_attention_float.cpp", "small_linear.cpp", "fused_ops.cpp", "quant_linear.cpp", "gguf_repack.cpp", "common.h", "quant_records.h")]
 _UNIT = "kernels.cpp"  # includes the other sources
 # the ops only the extension defines (the attention kernels); the fused layer ops' schemas are
 # defined in ops.py, and the extension adds their CPU kernels

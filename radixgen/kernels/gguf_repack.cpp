@@ -19,8 +19,10 @@
 
 #include <cstring>
 
-// named: one translation unit holds every kernel source (kernels.cpp), and quant_linear.cpp's
-// anonymous namespace has constants of the same names
+#include "quant_records.h"
+
+// named: one translation unit holds every kernel source (kernels.cpp), and helpers in anonymous
+// namespaces of the other sources would meet these
 namespace radixgen_gguf {
 
 // ggml's type ids
@@ -44,9 +46,7 @@ TypeInfo type_info(int64_t type) {
   }
 }
 
-constexpr int64_t kGroup = 32, kBlockRows = 16, kScaleBytes = 32;
-constexpr int64_t quant_bytes(int64_t bits) { return bits == 8 ? 512 : 256 + 64 * (bits - 4); }
-constexpr int64_t record_bytes(int64_t bits) { return quant_bytes(bits) + (bits == 8 ? 1 : 2) * kScaleBytes; }
+using namespace radixgen::records;
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -139,7 +139,7 @@ void write_lane(const Group& grp, int64_t bits, int64_t lane_row, uint8_t* rec) 
     const bool high_nibble = pair >= 8;
     rec[32 * c + lane] |= static_cast<uint8_t>((grp.q[e] & 0xF) << (high_nibble ? 4 : 0));
     if (bits != 4) {
-      const int ex = bits == 5 ? 1 : 2, h = bits == 5 ? 2 : 4;
+      const int ex = extra_bits(bits), h = high_rows(bits);
       rec[256 + (c % h) * 32 + lane] |=
           static_cast<uint8_t>((grp.q[e] >> 4) << ((c / h) * 2 * ex + (high_nibble ? ex : 0)));
     }
@@ -149,7 +149,7 @@ void write_lane(const Group& grp, int64_t bits, int64_t lane_row, uint8_t* rec) 
     std::memcpy(rec + offset + 2 * lane_row, &bits16, 2);
   };
   put_half(qbytes, grp.scale[0]);
-  if (bits == 4 || bits == 5) put_half(qbytes + kScaleBytes, grp.min);
+  if (has_min(bits)) put_half(qbytes + kScaleBytes, grp.min);
   if (bits == 6) put_half(qbytes + kScaleBytes, grp.scale[1]);
 }
 

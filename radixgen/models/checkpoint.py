@@ -153,10 +153,8 @@ def load_quantized_into(model: CausalLM, state: dict[str, Any], bits: int) -> No
             return cat_rows([p for p in parts if isinstance(p, QuantizedWeight)])
         return parts  # one record array per run of one width (QuantizedLinear)
 
-    def floats(name: str) -> torch.Tensor:
+    def floats(name: str) -> torch.Tensor:  # norms and biases: a GGUF's vectors are read as tensors
         value = state[name]
-        if isinstance(value, GGUFTensor):
-            return value.floats().to(dtype)
         assert isinstance(value, torch.Tensor), f"{name} is quantized; expected a float tensor"
         return value.to(dtype)
 

@@ -25,10 +25,10 @@ from radixgen.models.quantized import PackedWeight, QuantizedWeight, quantize
 
 logger = logging.getLogger(__name__)
 
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-"""Quantized types run as they are; the record width each is written into:"""
-RECORD_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}
-FLOAT_TYPES = {"F32": np.float32, "F16": np.float16}
+RECORD_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+"""The quantized types run as they are, and the record width each is written into."""
+BLOCK_TYPES = tuple(RECORD_BITS)
+FLOAT_TYPES = ("F32", "F16", "BF16")
 
 # In a folder of its own: beside model.safetensors, tools that load every *.safetensors of a
 # checkpoint folder (vLLM) would take the blocks for weights. Earlier releases cached the
@@ -72,21 +72,17 @@ class GGUFTensor:
         return PackedWeight(records, RECORD_BITS[self.type_name], self.shape[0])
 
     def floats(self) -> torch.Tensor:
-        """The tensor in float32 (quantized types dequantized by the gguf package's reference)."""
+        """The tensor in float32 (float types converted, quantized ones dequantized by the gguf
+        package's reference)."""
         import gguf
 
         raw = self.file.raw(self.info.name).numpy().reshape(-1)
-        if self.type_name in FLOAT_TYPES:
-            values = raw.view(FLOAT_TYPES[self.type_name]).astype(np.float32)
-        elif self.type_name == "BF16":
-            values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-        else:
-            try:
-                values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(self.info.ggml_type))
-            except NotImplementedError:
-                raise ValueError(
-                    f"{self.file.path.name}: tensor {self.info.name!r} is {self.type_name}, which cannot be read "
-                    f"here; supported: {', '.join(BLOCK_TYPES)}, F32, F16, BF16") from None
+        try:
+            values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(self.info.ggml_type))
+        except NotImplementedError:
+            raise ValueError(
+                f"{self.file.path.name}: tensor {self.info.name!r} is {self.type_name}, which cannot be read "
+                f"here; supported: {', '.join(BLOCK_TYPES + FLOAT_TYPES)}") from None
         out = torch.from_numpy(np.array(values, dtype=np.float32).reshape(self.shape))
         self.file.release(self.info.name)
         return out[self.row_order] if self.row_order is not None else out
@@ -97,7 +93,7 @@ class GGUFTensor:
         blocks = self.blocks()
         if blocks is not None:
             return blocks
-        if self.type_name not in RECORD_BITS and self.type_name not in FLOAT_TYPES and self.type_name != "BF16":
+        if self.type_name not in BLOCK_TYPES + FLOAT_TYPES:
             weight = quantize(self.floats(), 8)
             logger.warning("%s: tensor %r is %s, which has no kernel here (supported: %s); it is held as 8-bit "
                            "blocks (%.1f MiB, %.1fx its size in the file)", self.file.path.name, self.info.name,

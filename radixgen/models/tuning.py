@@ -288,41 +288,28 @@ QUANT_STEP_SIZES = (32, 128)
 dense copy: a decode batch of 32, a prefill chunk."""
 _QUANT_TIMED_LAYERS = 4
 """Layers timed (with the LM head): at these sizes the step is compute-bound, so a few layers
-rank the implementations as the whole model would; fewer where their dense copies would pass
-``_QUANT_TIMED_DENSE_BYTES`` (the timing's dense copies set a real model's start's peak memory)."""
-_QUANT_TIMED_DENSE_BYTES = 96 << 20
+rank the implementations as the whole model would."""
 
 
-_QUANT_TIMED_HEAD_BYTES = 64 << 20
-"""The LM head is timed with the layers where its dense copy is at most this size: a real
-vocabulary's (150k x 896 in float32: 545 MB, twice that while oneDNN reorders it) made the start's
-peak memory several times the model's."""
-
-
-def _quantized_linears(model: CausalLM, dtype: torch.dtype) -> list[QuantizedLinear]:
-    found: list[QuantizedLinear] = []
-    for layer in model.decoder_layers()[:_QUANT_TIMED_LAYERS]:
-        linears = [m for m in layer.modules() if isinstance(m, QuantizedLinear)]
-        dense_bytes = sum(m.out_features * m.in_features * dtype.itemsize for m in [*found, *linears])
-        if found and dense_bytes > _QUANT_TIMED_DENSE_BYTES:
-            break
-        found += linears
+def _quantized_linears(model: CausalLM) -> list[QuantizedLinear]:
+    layers = model.decoder_layers()[:_QUANT_TIMED_LAYERS]
+    found = [m for layer in layers for m in layer.modules() if isinstance(m, QuantizedLinear)]
     head = model.lm_head if isinstance(model.lm_head, QuantizedLinear) else (
         model.quantized_embed.head if model.quantized_embed is not None else None)
-    small = head is not None and head.out_features * head.in_features * dtype.itemsize <= _QUANT_TIMED_HEAD_BYTES
-    return found + ([head] if head is not None and small else [])
+    return found + ([head] if head is not None else [])
 
 
 _DENSE_COPY_MAX_BYTES = 768 << 20
 """A dense copy of every quantized linear is an option only up to this size: a real model's (2 GB
-in float32 for a 0.5B) would hold the file's weights several times over, whatever it saved."""
+in float32 for a 0.5B) would hold the file's weights several times over, whatever it saved, and
+timing it (a 150k-row head's dense copy among them) set the start's peak memory."""
 
 
 def _choose_quant_linear(model: CausalLM, dtype: torch.dtype, tokens: int) -> OpChoice | None:
     every = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     if sum(m.out_features * m.in_features for m in every) * dtype.itemsize > _DENSE_COPY_MAX_BYTES:
         return None  # not timed: the blocks serve every step
-    linears = _quantized_linears(model, dtype)
+    linears = _quantized_linears(model)
     if not linears:
         return None
     inputs = [torch.randn(tokens, m.in_features).to(dtype) for m in linears]
