@@ -13,7 +13,8 @@ from typing import Any
 from fastapi import Request
 
 from radixgen.api.drain import Drain
-from radixgen.api.protocol import PromptTokensDetails, Usage
+from radixgen.api.protocol import ConstraintReportBody, PromptTokensDetails, Usage
+from radixgen.constraints.report import ConstraintReport
 from radixgen.engine.output import FinishReason, RequestOutput
 from radixgen.engine.params import SamplingParams
 from radixgen.errors import InvalidParamsError
@@ -38,6 +39,10 @@ class ChoiceResult:
     prompt_logprobs: list[float] | None = None
     shortened: bool = False
     constraint_warnings: list[str] | None = None
+    constraint: ConstraintReport | None = None
+
+    def constraint_body(self) -> ConstraintReportBody | None:
+        return None if self.constraint is None else ConstraintReportBody(**self.constraint.to_dict())
 
 
 def usage(results: list[ChoiceResult]) -> Usage:
@@ -74,6 +79,7 @@ def apply(result: ChoiceResult, out: RequestOutput, streamed: bool) -> None:
         result.prompt_logprobs = out.prompt_logprobs
         result.shortened = out.shortened
         result.constraint_warnings = out.constraint_warnings
+        result.constraint = out.constraint
 
 
 async def client_gone(request: Request) -> None:

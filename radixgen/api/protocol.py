@@ -21,6 +21,10 @@ class _Request(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    include_partial: bool = False
+    """radixgen's extension: with a JSON answer (``response_format`` json_schema or json_object),
+    each chunk whose text completes a value carries ``delta.partial``, the answer so far as an
+    object of its complete values (it only grows; the last equals the parsed answer)."""
 
 
 class ResponseFormat(BaseModel):
@@ -206,6 +210,22 @@ class ResponseMessage(BaseModel):
     """The legacy answer to a request with ``functions``."""
 
 
+class ConstraintReportBody(BaseModel):
+    """What the engine enforced on a constrained answer (``radixgen.constraints.report``)."""
+
+    kind: str
+    backend: str
+    valid: bool
+    ended: str
+    forced_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    rollbacks: int = 0
+    validator_retries: int = 0
+    steered_tokens: int = 0
+    searched_values: int = 0
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ResponseMessage
@@ -217,6 +237,9 @@ class ChatChoice(BaseModel):
     constraint_warnings: list[str] | None = None
     """radixgen's extension: what the response format's grammar could not enforce (a lenient
     compile dropped it; validators checked the answer against it instead); null otherwise."""
+    constraint: ConstraintReportBody | None = None
+    """radixgen's extension: what the constraint did to this answer (on a constrained answer
+    only; in a stream, on the chunk that carries the finish_reason)."""
 
 
 class ChatCompletionResponse(BaseModel):
@@ -234,6 +257,9 @@ class DeltaMessage(BaseModel):
     reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     function_call: dict[str, Any] | None = None
+    partial: Any = None
+    """radixgen's extension (``stream_options.include_partial``): the answer so far, its complete
+    values only; on the chunks whose text completed a value."""
 
 
 class ChatChunkChoice(BaseModel):
@@ -247,6 +273,9 @@ class ChatChunkChoice(BaseModel):
     constraint_warnings: list[str] | None = None
     """radixgen's extension: what the response format's grammar could not enforce (a lenient
     compile dropped it; validators checked the answer against it instead); null otherwise."""
+    constraint: ConstraintReportBody | None = None
+    """radixgen's extension: what the constraint did to this answer (on a constrained answer
+    only; in a stream, on the chunk that carries the finish_reason)."""
 
 
 class ChatCompletionChunk(BaseModel):
@@ -269,6 +298,9 @@ class CompletionChoice(BaseModel):
     constraint_warnings: list[str] | None = None
     """radixgen's extension: what the response format's grammar could not enforce (a lenient
     compile dropped it; validators checked the answer against it instead); null otherwise."""
+    constraint: ConstraintReportBody | None = None
+    """radixgen's extension: what the constraint did to this answer (on a constrained answer
+    only; in a stream, on the chunk that carries the finish_reason)."""
 
 
 class CompletionResponse(BaseModel):

@@ -24,7 +24,9 @@ from radixgen.api.protocol import (
     Usage,
 )
 from radixgen.api.sse import sse, stream_response, token_logprobs
+from radixgen.constraints.partial import PartialJson
 from radixgen.engine.params import SamplingParams
+from radixgen.errors import InvalidParamsError
 from radixgen.ipc.handle import EngineHandle
 
 router = APIRouter()
@@ -43,6 +45,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     started = time.perf_counter()
     if req.stream:
         return _chat_stream(request, req, tools, jobs, base_id, model, started)
+    if req.stream_options is not None and req.stream_options.include_partial:
+        raise InvalidParamsError("stream_options.include_partial needs stream: true")
     results = await run_jobs(request, client, jobs, "chat", started)
     if results is None:
         return JSONResponse({}, status_code=499)  # nobody is listening any more
@@ -55,7 +59,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
             reason = "function_call"
         choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
                                   logprobs=token_logprobs(state.tokenizer, r, bool(top), state.token_bytes) if req.logprobs else None,
-                                  shortened=r.shortened or None, constraint_warnings=r.constraint_warnings))
+                                  shortened=r.shortened or None, constraint_warnings=r.constraint_warnings,
+                                  constraint=r.constraint_body()))
     return ChatCompletionResponse(id=base_id, model=model, choices=choices, usage=usage(results))
 
 
@@ -66,6 +71,27 @@ def _as_function_call(delta: DeltaMessage) -> DeltaMessage:
     function = delta.tool_calls[0].get("function") or {}
     return DeltaMessage(role=delta.role, content=delta.content,
                         function_call={k: function[k] for k in ("name", "arguments") if k in function})
+
+
+def _wants_partials(req: ChatCompletionRequest) -> bool:
+    """``stream_options.include_partial``, checked: it needs a JSON answer to follow."""
+    if req.stream_options is None or not req.stream_options.include_partial:
+        return False
+    if req.response_format is None or req.response_format.type not in ("json_schema", "json_object"):
+        raise InvalidParamsError("stream_options.include_partial needs response_format of type json_schema or "
+                                 "json_object: the partial objects follow a JSON answer")
+    return True
+
+
+def _add_partials(partials: PartialJson, deltas: list[DeltaMessage], *, final: bool) -> None:
+    """Put the answer so far on each delta whose content completed a value (at the answer's end,
+    the last delta gets the whole answer)."""
+    for n, d in enumerate(deltas):
+        last = final and n == len(deltas) - 1
+        if d.content or last:
+            partial = partials.feed(d.content or "", final=last)
+            if partial is not None:
+                d.partial = partial
 
 
 def _chat_stream(request: Request, req: ChatCompletionRequest, tools: ToolPlan,
@@ -87,6 +113,7 @@ def _chat_stream(request: Request, req: ChatCompletionRequest, tools: ToolPlan,
                   + ',"model":' + json.dumps(model) + ',"choices":[{"index":')
 
     plain_text = readers[0].passes_text_through and not tools.legacy
+    partials = [PartialJson() for _ in jobs] if _wants_partials(req) else None
 
     async def body() -> AsyncGenerator[str, None]:
         for i in range(len(jobs)):
@@ -102,6 +129,10 @@ def _chat_stream(request: Request, req: ChatCompletionRequest, tools: ToolPlan,
             if plain_text and not out.finished and not req.logprobs:  # the path of almost every token
                 if out.new_text:
                     reader.content += out.new_text
+                    partial = partials[i].feed(out.new_text) if partials is not None else None
+                    if partial is not None:
+                        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=out.new_text, partial=partial))])
+                        continue
                     yield f'{text_chunk}{i},"delta":{{"content":{json.dumps(out.new_text)}}}}}]}}\n\n'
                 continue
             logprobs = None
@@ -116,11 +147,13 @@ def _chat_stream(request: Request, req: ChatCompletionRequest, tools: ToolPlan,
                 reason = reader.result(results[i].finish_reason)[3]
             if logprobs is not None and not deltas:
                 deltas = [DeltaMessage()]
+            if partials is not None:
+                _add_partials(partials[i], deltas, final=out.finished)
             if tools.legacy:
                 deltas = [_as_function_call(d) for d in deltas]
                 reason = "function_call" if reason == "tool_calls" else reason
             if len(deltas) == 1 and logprobs is None and not out.finished and deltas[0].content is not None and (
-                    deltas[0].model_fields_set == {"content"}):
+                    deltas[0].model_fields_set == {"content"}) and deltas[0].partial is None:
                 yield f'{text_chunk}{i},"delta":{{"content":{json.dumps(deltas[0].content)}}}}}]}}\n\n'
                 continue
             for n, d in enumerate(deltas):
@@ -129,11 +162,13 @@ def _chat_stream(request: Request, req: ChatCompletionRequest, tools: ToolPlan,
                                              logprobs=logprobs if last else None,
                                              shortened=(results[i].shortened or None) if last and out.finished else None,
                                              constraint_warnings=results[i].constraint_warnings
-                                             if last and out.finished else None)])
+                                             if last and out.finished else None,
+                                             constraint=results[i].constraint_body() if last and out.finished else None)])
             if out.finished and not deltas:
                 yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=reason,
                                              shortened=results[i].shortened or None,
-                                             constraint_warnings=results[i].constraint_warnings)])
+                                             constraint_warnings=results[i].constraint_warnings,
+                                             constraint=results[i].constraint_body())])
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunk([], usage=usage(results))
         yield sse("[DONE]")

@@ -95,7 +95,8 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
         if req.logprobs is not None:
             lp = _text_logprobs(state.tokenizer, r.token_ids, r.logprobs, r.top_logprobs)
         choices.append(CompletionChoice(index=i, text=text, finish_reason=r.finish_reason, logprobs=lp,
-                                        shortened=r.shortened or None, constraint_warnings=r.constraint_warnings))
+                                        shortened=r.shortened or None, constraint_warnings=r.constraint_warnings,
+                                        constraint=r.constraint_body()))
     usage = Usage(prompt_tokens=sum(len(ids) for ids in prompts), completion_tokens=sum(len(r.token_ids) for r in results),
                   total_tokens=0, prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in results)))
     usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
@@ -133,7 +134,8 @@ def _completion_stream(request: Request, req: CompletionRequest, jobs: list[tupl
                                          if req.logprobs is not None and out.new_token_ids else None,
                                          **({"shortened": True} if out.finished and results[i].shortened else {}),
                                          **({"constraint_warnings": results[i].constraint_warnings}
-                                            if out.finished and results[i].constraint_warnings else {})}]})
+                                            if out.finished and results[i].constraint_warnings else {}),
+                                         **_report(results[i] if out.finished else None)}]})
         if req.stream_options is not None and req.stream_options.include_usage:
             prompt = sum(len(ids) for _, ids, _ in jobs[:: max(req.n, 1)])
             completion = sum(len(r.token_ids) for r in results)
@@ -178,7 +180,8 @@ async def generate(req: GenerateRequest, request: Request) -> Any:
             "meta": {"request_id": rid, "finish_reason": result.finish_reason, "prompt_tokens": len(ids),
                      "completion_tokens": len(result.token_ids), "cached_tokens": result.cached_tokens,
                      "logprobs": result.logprobs or None, "prompt_logprobs": result.prompt_logprobs,
-                     "shortened": result.shortened}}
+                     "shortened": result.shortened,
+                     "constraint": result.constraint.to_dict() if result.constraint is not None else None}}
 
 
 def _generate_stream(request: Request, rid: str, ids: list[int], params: SamplingParams,
@@ -221,9 +224,16 @@ async def model_info(request: Request) -> dict[str, Any]:
             "chat_roles": roles}
 
 
+def _report(result: ChoiceResult | None) -> dict[str, Any]:
+    """A finished choice's constraint report as its chunk's field (nothing when unconstrained)."""
+    report = result.constraint if result is not None else None
+    return {"constraint": report.to_dict()} if report is not None else {}
+
+
 def _meta(out: RequestOutput) -> dict[str, Any]:
     return {"request_id": out.request_id, "finish_reason": out.finish_reason.value if out.finish_reason else None,
             "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "cached_tokens": out.cached_tokens, "prompt_logprobs": out.prompt_logprobs, "shortened": out.shortened}
+            "cached_tokens": out.cached_tokens, "prompt_logprobs": out.prompt_logprobs, "shortened": out.shortened,
+            "constraint": out.constraint.to_dict() if out.constraint is not None else None}
 
 

@@ -143,18 +143,22 @@ def as_chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> Cha
     return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
 
 
-def _output_items(reader: OutputReader, finish_reason: str | None, message_id: str) -> tuple[list[Any], list[ToolCall] | None]:
+def _output_items(reader: OutputReader, result: ChoiceResult, message_id: str) -> tuple[list[Any], list[ToolCall] | None]:
     """The response's output items from a finished reader: a reasoning item, the text message
-    (when there is text, or nothing else), then the function calls."""
-    content, thought, calls, _ = reader.result(finish_reason)
+    (when there is text, or nothing else; with the constraint's report on it, radixgen's
+    extension), then the function calls."""
+    content, thought, calls, _ = reader.result(result.finish_reason)
     items: list[Any] = []
     if thought:
         items.append(ResponseReasoningItem(type="reasoning", id=f"rs-{message_id}", summary=[],
                                            content=[{"type": "reasoning_text", "text": thought}]))  # type: ignore[list-item]
     if content or not calls:
         text = ResponseOutputText(type="output_text", text=content or "", annotations=[])
-        items.append(ResponseOutputMessage(type="message", id=message_id, role="assistant", status="completed",
-                                           content=[text]))
+        message = ResponseOutputMessage(type="message", id=message_id, role="assistant", status="completed",
+                                        content=[text])
+        if result.constraint is not None:  # an extra field: the openai type allows them
+            message.constraint = result.constraint.to_dict()  # type: ignore[attr-defined]
+        items.append(message)
     items += [ResponseFunctionToolCall(type="function_call", id=f"fc-{c.id}", call_id=c.id, name=c.function.name,
                                        arguments=c.function.arguments, status="completed") for c in calls or []]
     return items, calls
@@ -208,7 +212,7 @@ async def create_response(req: ResponsesRequest, request: Request) -> Any:
     reader = plan.tools.reader()
     reader.feed(results[0].text)
     reader.finish()
-    output, calls = _output_items(reader, results[0].finish_reason, message_id)
+    output, calls = _output_items(reader, results[0], message_id)
     _remember(request, req, history, reader.content, calls, plan.base_id)
     return _response(req, plan, results[0], output, created).model_dump(exclude_none=True)
 
@@ -283,7 +287,7 @@ def _stream(request: Request, req: ResponsesRequest, plan: ChatPlan, history: li
                         yield event("response.function_call_arguments.delta",
                                     item_id=f"fc-{reader.calls[number].id}", output_index=index_of("call", number),
                                     delta=call["function"]["arguments"])
-        items, calls = _output_items(reader, result.finish_reason, message_id)
+        items, calls = _output_items(reader, result, message_id)
         by_kind: dict[tuple[str, int], Any] = {}
         for it in items:
             number = sum(key[0] == "call" for key in by_kind) if it.type == "function_call" else -1

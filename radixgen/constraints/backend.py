@@ -19,6 +19,9 @@ from radixgen.constraints.spec import ConstraintSpec
 class Grammar(ABC):
     """A compiled, immutable constraint. Thread-safe to share."""
 
+    compiled_by: str = ""
+    """The backend that compiled it (``auto`` hands each spec to one of the others)."""
+
     enforces_schema_exactly: bool = False
     """A JSON schema whose every keyword the automaton enforces: its outputs cannot fail the
     schema's validators, so they need not hold the stream back for a possible rollback."""

@@ -80,10 +80,18 @@ def score_suite(files: list[Path], service: GrammarService, tokenizer: Any, stop
                 draft: str = "draft2020-12") -> SuiteScore:
     """``draft`` names the suite folder the files come from: its schemas are read as that draft
     (the suite leaves ``$schema`` out; a real schema names it)."""
+    return score_cases([(path.name, json.loads(path.read_text())) for path in files], service, tokenizer,
+                       stop_token_id, draft=draft)
+
+
+def score_cases(named_cases: list[tuple[str, list[dict[str, Any]]]], service: GrammarService, tokenizer: Any,
+                stop_token_id: int, *, draft: str = "draft2020-12") -> SuiteScore:
+    """``score_suite`` over cases already read: (a name to report them under, its cases), each
+    case ``{"description", "schema", "tests": [{"data", "valid"}]}``."""
     score = SuiteScore()
-    for path in files:
+    for name, cases in named_cases:
         counts: Counter[str] = Counter()
-        for case in json.loads(path.read_text()):
+        for case in cases:
             schema = case["schema"]
             if isinstance(schema, dict) and "$schema" not in schema and draft != "draft2020-12":
                 schema = {"$schema": DRAFT_URIS[draft], **schema}
@@ -92,7 +100,7 @@ def score_suite(files: list[Path], service: GrammarService, tokenizer: Any, stop
                 grammar = service.compile(spec)
                 validators = SchemaValidators(spec.schema())
             except (InvalidConstraintError, RuntimeError, ValueError) as e:
-                score.unsupported.setdefault(path.name, []).append(f"{case['description']}: {e}")
+                score.unsupported.setdefault(name, []).append(f"{case.get('description', name)}: {e}")
                 for t in case["tests"]:
                     counts["valid_rejected" if t["valid"] else "invalid_rejected"] += 1
                 continue
@@ -104,6 +112,6 @@ def score_suite(files: list[Path], service: GrammarService, tokenizer: Any, stop
                 if accepted and not grammar.enforces_schema_exactly:  # as the engine does: no validators then
                     accepted = Validation(schema=validators).feed(text, final=True) is None
                 counts[("valid_" if t["valid"] else "invalid_") + ("accepted" if accepted else "rejected")] += 1
-        score.per_file[path.name] = counts
+        score.per_file[name] = counts
         score.counts.update(counts)
     return score

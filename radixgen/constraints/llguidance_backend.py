@@ -78,6 +78,7 @@ class LLGuidanceMatcher(Matcher):
 
 
 class LLGuidanceGrammar(Grammar):
+    compiled_by = "llguidance"
     def __init__(self, prototype: Any, stop_token_ids: frozenset[int]) -> None:
         self._prototype = prototype
         self._stop_ids = stop_token_ids

@@ -101,6 +101,7 @@ class OutlinesMatcher(Matcher):
 
 
 class OutlinesGrammar(Grammar):
+    compiled_by = "outlines"
     def __init__(self, index: Any, stop_token_ids: frozenset[int]) -> None:
         self._index = index
         self._stop_ids = stop_token_ids

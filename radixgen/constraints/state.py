@@ -59,3 +59,13 @@ class ConstraintState:
     forced_mismatch: ForcedMismatch | None = None
     pending_extend: bool = False
     """Jump-forward appended forced tokens: compute them in the next prefill (extend) step."""
+    backend: str = ""
+    """The compiler whose automaton this is (for the answer's report)."""
+    completed: bool = False
+    """The automaton finished and the validators accepted the whole output."""
+    forced_tokens: int = 0
+    """Tokens jump-forward appended as the automaton's forced text."""
+    forced_drops: int = 0
+    """Times forced tokens were taken back because the model would not have written them."""
+    searched_values: int = 0
+    """Values the validators' search wrote in place of rejected ones."""

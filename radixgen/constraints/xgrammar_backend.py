@@ -70,6 +70,7 @@ class XGrammarMatcher(Matcher):
 
 
 class XGrammarGrammar(Grammar):
+    compiled_by = "xgrammar"
     def __init__(self, compiled: Any, allowed_words: np.ndarray | None = None) -> None:
         self.compiled = compiled
         self.allowed_words = allowed_words

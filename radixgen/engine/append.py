@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from radixgen.constraints.events import Rejection
+from radixgen.constraints.report import REPORT_KINDS, ConstraintReport, ended_as
 from radixgen.constraints.state import ConstraintState, Rollback
 from radixgen.engine.constrained import forced_token_ids
 from radixgen.engine.detokenizer import IncrementalDetokenizer
@@ -196,6 +197,7 @@ class TokenAppender:
             rejection = req.constraint.validation.feed("", final=True)
             if rejection is not None:
                 return self._reject(req, rejection)
+        req.constraint.completed = True
         return FinishReason.STOP
 
     def _jump_forward(self, req: Request, token: int) -> list[int]:
@@ -219,6 +221,7 @@ class TokenAppender:
             return [token]
         if req.params.is_greedy:
             state.forced_pending = len(ids)
+        state.forced_tokens += len(ids)
         return [token, *ids]
 
     def _append_one(self, req: Request, token: int) -> FinishReason | None:
@@ -364,6 +367,7 @@ class TokenAppender:
             text=detok.text if detok is not None else "",
             shortened=state is not None and state.budget is not None and state.budget.shortened,
             constraint_warnings=state.warnings if state is not None else None,
+            constraint=constraint_report(req),
         )
         if req.on_output is not None:
             req.on_output(out)
@@ -387,3 +391,27 @@ class TokenAppender:
         assert req.on_output is not None
         req.on_output(out)
         return out
+
+
+def constraint_report(req: Request) -> ConstraintReport | None:
+    """What the constraint did to a finished request's output (None when it had none)."""
+    spec = req.params.constraint
+    if spec is None:
+        return None
+    state = req.constraint
+    reason = req.finish_reason.value if req.finish_reason is not None else "error"
+    shortened = state is not None and state.budget is not None and state.budget.shortened
+    ended = ended_as(reason, completed=state is not None and state.completed, shortened=shortened,
+                     attached=state is not None, user_error=req.user_error)
+    speculation = req.speculation
+    retries = state.num_rollbacks if state is not None else 0
+    return ConstraintReport(
+        kind=REPORT_KINDS.get(spec.kind, spec.kind), backend=state.backend if state is not None else "",
+        valid=ended in ("complete", "budget_closed"), ended=ended,
+        forced_tokens=(state.forced_tokens if state is not None else 0)
+        + (speculation.accepted_forced if speculation is not None else 0),
+        drafted_tokens=speculation.drafted if speculation is not None else 0,
+        accepted_tokens=speculation.accepted if speculation is not None else 0,
+        rollbacks=retries + (state.forced_drops if state is not None else 0), validator_retries=retries,
+        steered_tokens=state.budget.steered_tokens if state is not None and state.budget is not None else 0,
+        searched_values=state.searched_values if state is not None else 0)

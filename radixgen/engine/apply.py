@@ -304,6 +304,10 @@ class StepApplier:
         removed = len(req.output_ids) - keep
         self.kv.truncate(req, req.num_computed - removed)  # keeps the positions before the first dropped token
         self._truncate_output(req, keep)
+        state = req.constraint
+        if state is not None:  # the report counts the forced tokens that stayed
+            state.forced_tokens -= removed
+            state.forced_drops += 1
 
     def _truncate_output(self, req: Request, keep: int) -> None:
         """Keep the first ``keep`` output tokens (their logprobs and text state with them)."""
@@ -350,6 +354,7 @@ class StepApplier:
             # the requeued prefill computes the written tokens' KV and samples what follows
             logger.info("%s: wrote %r in place of a value its validators rejected %s", req.request_id, replacement, why)
             self.stats.num_searched_values += 1
+            state.searched_values += 1
         self.planner.requeue(req)
         self.log.current.rollbacks += 1
         logger.debug("rolled back %s to output token %d: %s", req.request_id, keep, why)

@@ -72,7 +72,8 @@ class ConstrainedDecoding:
         """Give a request whose grammar is ready its matcher, validators and budget (loop
         thread). Raises ``InvalidParamsError`` when the shortest output the constraint allows
         does not fit the request's budget: better refused now than cut off at the end."""
-        state = ConstraintState(grammar.matcher(), warnings=list(grammar.not_enforced) or None)
+        state = ConstraintState(grammar.matcher(), warnings=list(grammar.not_enforced) or None,
+                                backend=grammar.compiled_by)
         spec = req.params.constraint
         assert spec is not None
         if self.steering is not None:

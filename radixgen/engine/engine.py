@@ -25,6 +25,7 @@ import numpy as np
 
 from radixgen.config import EngineConfig
 from radixgen.constraints import Grammar
+from radixgen.constraints.partial import PartialJson
 from radixgen.engine.constrained import ConstrainedDecoding
 from radixgen.engine.model_runner import ModelRunner
 from radixgen.engine.output import FinishReason, GenerationOutput, RequestOutput, StepDeltas
@@ -264,10 +265,13 @@ class Engine:
 
     async def generate_stream(
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
-        stream: bool = True,
+        stream: bool = True, include_partial: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield deltas as they are produced (``stream=False``: only the final output); leaving
-        the loop early aborts the request. Every asyncio caller of the engine streams this way."""
+        the loop early aborts the request. Every asyncio caller of the engine streams this way.
+        ``include_partial``: each delta in which a JSON value completed carries ``partial``, the
+        answer so far as an object of its complete values."""
+        partials = PartialJson() if include_partial else None
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -284,15 +288,19 @@ class Engine:
                     self._check_alive()
                     continue
                 finished = out.finished
+                if partials is not None:
+                    out.partial = partials.feed(out.new_text, final=finished)
                 yield out
         finally:
             if not finished:
                 self.abort(req.request_id)
 
     def iter_outputs(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                     request_id: str | None = None) -> Generator[RequestOutput, None, None]:
+                     request_id: str | None = None, include_partial: bool = False,
+                     ) -> Generator[RequestOutput, None, None]:
         """``generate_stream`` for a blocking caller (a thread): deltas as they are produced;
         closing the iterator early, or an exception in the caller's loop, aborts the request."""
+        partials = PartialJson() if include_partial else None
         deltas: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         req = self.add_request(prompt, params, request_id=request_id, on_output=deltas.put)
         finished = False
@@ -304,6 +312,8 @@ class Engine:
                     self._check_alive()
                     continue
                 finished = out.finished
+                if partials is not None:
+                    out.partial = partials.feed(out.new_text, final=finished)
                 yield out
         finally:
             if not finished:

@@ -65,5 +65,7 @@ class DraftState:
     step here: benchmarks/bench_speculative.py)."""
     drafted: int = 0
     accepted: int = 0
+    accepted_forced: int = 0
+    """Of the accepted, those that were the constraint's forced text."""
     gave_up: bool = False
     """Not drafting (any more): its drafts stopped paying, or the request cannot speculate."""

@@ -25,6 +25,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
+
+from radixgen.constraints.report import ConstraintReport
 
 
 class FinishReason(str, enum.Enum):
@@ -65,6 +68,11 @@ class RequestOutput:
     """Final output only: budget steering closed the constrained output early (a string, an
     array or an object was ended, or the rest completed with its shortest valid text) so that it
     finished within max_new_tokens."""
+    constraint: ConstraintReport | None = None
+    """Final output only: what the constraint did (None for an unconstrained request)."""
+    partial: Any = None
+    """With ``include_partial`` (a JSON answer, streamed): the answer so far as an object of
+    its complete values, on each delta in which a value completed (``constraints.partial``)."""
 
 
 @dataclass
@@ -91,6 +99,9 @@ class GenerationOutput:
     constraint_warnings: list[str] | None = None
     """What the constraint's grammar did not enforce (a lenient compile's dropped keywords);
     validators checked it instead."""
+    constraint: ConstraintReport | None = None
+    """What the constraint did: how the answer ended, whether it is valid, what was forced,
+    drafted, rolled back, steered or searched (None for an unconstrained request)."""
 
     @classmethod
     def of_final(cls, final: RequestOutput, logprobs: list[float] | None,
@@ -104,7 +115,7 @@ class GenerationOutput:
                    completion_tokens=final.completion_tokens, cached_tokens=final.cached_tokens, error=final.error,
                    user_error=final.user_error, logprobs=logprobs, top_logprobs=top_logprobs,
                    prompt_logprobs=final.prompt_logprobs, shortened=final.shortened,
-                   constraint_warnings=final.constraint_warnings)
+                   constraint_warnings=final.constraint_warnings, constraint=final.constraint)
 
 
 Columns = tuple[int | None, list[str], list[int], list[int]]

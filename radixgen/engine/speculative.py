@@ -210,6 +210,7 @@ class NgramDrafter:
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         forced = min(accepted, state.draft_forced)
+        state.accepted_forced += forced
         self.accepted_by_source["forced"] += forced
         self.accepted_by_source[state.draft_source] += accepted - forced
         if state.drafted >= _GIVE_UP_AFTER and state.accepted < self.cost.break_even(self._rows) * state.drafted:

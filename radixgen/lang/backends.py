@@ -26,7 +26,9 @@ OnText = Callable[[str], None]
 class GenResult:
     text: str
     meta: dict[str, Any] = field(default_factory=dict)
-    """request_id, finish_reason, prompt_tokens, completion_tokens, cached_tokens."""
+    """request_id, finish_reason, prompt_tokens, completion_tokens, cached_tokens, shortened, and
+    constraint (the constraint's report as a dict: ``radixgen.constraints.report``; None when
+    unconstrained)."""
     prompt_logprobs: list[float] | None = None
 
 
@@ -112,7 +114,8 @@ class Runtime(Backend):
             raise (InvalidParamsError if getattr(out, "user_error", False) else RuntimeError)(out.error)
         meta = {"request_id": out.request_id, "finish_reason": out.finish_reason.value,
                 "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                "cached_tokens": out.cached_tokens, "shortened": bool(getattr(out, "shortened", False))}
+                "cached_tokens": out.cached_tokens, "shortened": bool(getattr(out, "shortened", False)),
+                "constraint": out.constraint.to_dict() if getattr(out, "constraint", None) is not None else None}
         return GenResult(out.text or "", meta, out.prompt_logprobs)
 
     def generate(self, prompt: Prompt, params: dict[str, Any], on_text: OnText | None = None) -> GenResult:

@@ -136,6 +136,11 @@ class ProgramState:
         self.sync()
         return self._meta[name]
 
+    def constraint(self, name: str) -> dict[str, Any] | None:
+        """What the constraint did to generation ``name`` (how it ended, whether it is valid,
+        what was forced, drafted, rolled back, steered or searched), or None when it had none."""
+        return self.meta(name).get("constraint")
+
     def text_iter(self) -> Iterator[str]:
         """With ``run(..., stream=True)``: the text as it is appended, generations token by token."""
         if self._stream is None:

@@ -69,6 +69,7 @@ def test_constrained_captures_are_parsed(runtime: Runtime) -> None:
     assert len(state["code"]) == 6 and state["code"][2] == "-" and state["code"][:2].isupper()
     assert isinstance(state["point"], Point)
     assert isinstance(state["raw"], dict) and isinstance(state["raw"]["ok"], bool)
+    assert state.constraint("code")["kind"] == "regex" and state.constraint("raw")["kind"] == "json_schema"
     assert f"Code: {state['code']}\nPoint: " in state.text()
 
 
@@ -166,6 +167,10 @@ def test_runtime_validators_reject_in_the_decode_loop(runtime: Runtime) -> None:
     state = numbers.run(backend=runtime, seed=7)
     assert state["value"]["n"] % 2 == 1 and seen[-1] == state["value"]["n"]
     assert all(n % 2 == 0 for n in seen[:-1]), "every value before the accepted one was rejected"
+    # each named gen's report says what the validators did to it
+    report = state.constraint("value")
+    assert report is not None and report["valid"] and report["ended"] in ("complete", "budget_closed")
+    assert report["validator_retries"] == len(seen) - 1
 
 
 def test_a_budget_below_the_shortest_json_is_a_clear_error(runtime: Runtime) -> None:
