@@ -39,7 +39,17 @@ _CLOSERS = frozenset('"}],')
 _MAX_ALNUM_RUN = 3
 _MAX_COMPLETION_CHARS = 2048
 _MAX_WALK_STEPS = 1024
+START_WALK_SCALE = 8
+"""The walk from a request's start state may go this many times further: its result is cached
+per constraint, and a schema with dozens of required nested objects (a units catalogue with 42
+required properties) needs ~3,000 characters. Without a completion the request could be neither
+refused for a budget it cannot fit nor steered to close."""
 _ENCODE_CACHE_SIZE = 4096
+_PLAIN_STRING_PROBE = 8
+# The shortest values of the formats grammars enforce by pattern (date, date-time, time, email,
+# hostname, URI, UUID, IPv4/6, semantic version, duration), tried whole at a string's start
+_FORMAT_VALUES = ("1.0.0", "P1D", "::1", "0.0.0.0", "a@a.aa", "00:00:00Z", "2000-01-01", "http://a.aa",
+                  "2000-01-01T00:00:00Z", "00000000-0000-0000-0000-000000000000")
 
 
 @dataclass(frozen=True)
@@ -73,7 +83,9 @@ class Completer:
         self._text_order = first + words + [c for c in self._chars if c not in first and c not in words]
         # between values, the separators come right after the closers: an array padded to
         # minItems reads [1, 1], not [111.111, 111]
-        closers = [c for c in self._chars if c[0] in '"}]']
+        closers = [c for c in self._chars if c[0] in '}]"']
+        closers.sort(key=lambda c: c[0] == '"')  # "[" then "]" is shorter than '["...'; a string that
+        # is open and allows no letter (its pattern wants digits, say) is closed by the quote still
         separators = [c for c in self._chars if c[0] in ", "]
         self._chars = closers + separators + [c for c in self._chars if c not in closers and c not in separators]
         self._probe = next(t for ch, t in self._chars if ch == "a")
@@ -89,9 +101,11 @@ class Completer:
             self._encoded.move_to_end(text)
         return ids
 
-    def complete(self, matcher: Matcher) -> Completion | None:
+    def complete(self, matcher: Matcher, *, scale: int = 1, strings: tuple[str, ...] = ()) -> Completion | None:
         """The completion from ``matcher``'s state (left unchanged), or None when the walk finds
-        no end within its bounds (the caller then cannot steer this request).
+        no end within its bounds, ``scale`` times the usual ones (the caller then cannot steer
+        this request). ``strings``: texts to try whole where a string's content starts (the
+        shortest matches of the schema's patterns), before the common formats' shortest values.
 
         Depth-first: forced stretches are taken whole, elsewhere the first allowed character
         in preference order; at a dead end (a bounded number whose digits ran out, say) the walk
@@ -101,7 +115,7 @@ class Completer:
         size = 0
         attempts = 0
         try:
-            while size <= _MAX_COMPLETION_CHARS and attempts <= _MAX_WALK_STEPS:
+            while size <= _MAX_COMPLETION_CHARS * scale and attempts <= _MAX_WALK_STEPS * scale:
                 attempts += 1
                 if self.can_stop(matcher):
                     text = "".join(piece for _, piece, _ in steps)
@@ -112,6 +126,12 @@ class Completer:
                     steps.append((len(forced_ids), forced, None))
                     size += len(forced)
                     continue
+                if not steps or steps[-1][1].endswith('"'):
+                    written = self._string_value(matcher, strings)
+                    if written is not None:
+                        steps.append(written)
+                        size += len(written[1])
+                        continue
                 run = 0
                 for _, piece, _ in reversed(steps):
                     if not (len(piece) == 1 and piece in _ALNUM):
@@ -136,6 +156,25 @@ class Completer:
             if accepted:
                 matcher.rollback(accepted)
 
+    def _string_value(self, matcher: Matcher, strings: tuple[str, ...]) -> tuple[int, str, None] | None:
+        """At a string's start, the first of ``strings`` and then of the common formats' values
+        that the automaton takes whole with its closing quote (a step of the walk), or None.
+        Letter by letter the walk cannot find what a pattern or format wants where the grammar
+        lets any text in before it (an unanchored date pattern: "aaa_aaa@..." forever)."""
+        if not matcher.accept(self._probe):
+            return None  # not free text here: the walk's digits and marks find the way
+        matcher.rollback(1)
+        for letters in range(_PLAIN_STRING_PROBE + 1):  # a plain string (or a short minLength):
+            ids = self.encode("a" * letters + '"')      # the walk's letters are shortest
+            if matcher.accept_all(ids):
+                matcher.rollback(len(ids))
+                return None
+        for text in (*strings, *_FORMAT_VALUES):
+            ids = self.encode(text + '"')
+            if matcher.accept_all(ids):
+                return (len(ids), text + '"', None)
+        return None
+
     def can_stop(self, matcher: Matcher) -> bool:
         """Whether the output is complete here (the automaton accepts a stop token)."""
         for t in self.stop_token_ids:
@@ -154,8 +193,11 @@ class Completer:
         order = self._text_order if in_text else self._chars
         if avoid is not None:  # after a run of letters: punctuation not used lately, then the rest
             marks = [c for c in order if c[0] not in _ALNUM and c[0] not in _CLOSERS]
+            # the marks written lately, least recently first: a pattern like \w+:\w+ gets its
+            # ":" before another "_" ("aaa_aaa:a", not "aaa_aaa_aaa_aaa_aaa:a")
+            used = sorted((c for c in marks if c[0] in avoid), key=lambda c: avoid.rfind(c[0]))
             order = ([c for c in order if c[0] == '"'] + [c for c in marks if c[0] not in avoid]
-                     + [c for c in marks if c[0] in avoid] + [c for c in order if c[0] in _CLOSERS and c[0] != '"']
+                     + used + [c for c in order if c[0] in _CLOSERS and c[0] != '"']
                      + [c for c in order if c[0] in _ALNUM])
         finishing: set[str] = set()
         if not in_text:  # in a number or between values: first whatever ends the output at once,
@@ -278,6 +320,9 @@ class BudgetState:
     """The open string is an object key: its text picks the property, so it changes the completion."""
     containers: str = ""
     """The open objects and arrays, outermost first ("{[{")."""
+    opened: bool = False
+    """The last token scanned opened an object or an array, or started another item or property:
+    the one kind of token that can make the completion much longer at once."""
     key_expected: bool = False
     disabled: bool = False
     """The completion's tokens were refused by the automaton: this request is not steered."""
@@ -313,9 +358,11 @@ class BudgetState:
         if not self.is_json:
             return True
         touched = False
+        self.opened = False
         for ch in text:
             if not self.in_string:
                 touched = True
+                self.opened = self.opened or ch in "{[,"
                 if ch == '"':
                     # a key opens right after "{" or after a comma inside an object
                     self.in_key = self.containers.endswith("{") and self.key_expected

@@ -25,7 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixgen.constraints.backend import Matcher
-from radixgen.constraints.budget import BudgetState, Completer, Completion, RegexCompletions
+from radixgen.constraints.budget import (
+    START_WALK_SCALE,
+    BudgetState,
+    Completer,
+    Completion,
+    RegexCompletions,
+)
 from radixgen.constraints.spec import ConstraintSpec
 from radixgen.constraints.state import ConstraintState
 from radixgen.engine.request import Request
@@ -36,6 +42,15 @@ cost) of it: one token (an optional property's key, an anyOf branch) does not ma
 longer in the schemas we serve, and the walk (~0.2-2 ms) then runs only at the end of an output.
 (With 64 / 2 x cost, steering took 3-8% of the run time at max_tokens 64-128.)"""
 
+
+_OPENING_WINDOW = 4
+"""A token that opens an object or array or starts another item or property has the completion
+recomputed within this many times the usual window of the end: one such token took a completion
+of 2 tokens to 66 (a new array item with required nested fields), and once written it cannot be
+closed sooner. Only opening tokens pay for the wider window."""
+
+_TOKENS_PER_WALK_SCALE = 512
+"""A walk during generation may go one more time its usual bounds per this many tokens left."""
 
 _SLACK_TOKENS = 1
 _RETRY_AFTER_TOKENS = 4
@@ -62,16 +77,19 @@ class BudgetSteering:
                                  dfa_state=dfa.initial if dfa is not None else None)
 
     def shortest(self, matcher: Matcher, dfa: RegexCompletions | None) -> Completion | None:
-        """The shortest complete output of a fresh request."""
-        return self._completion(matcher, dfa, dfa.initial if dfa is not None else None)
+        """The shortest complete output of a fresh request (cached per constraint by the caller,
+        so its walk may go furthest)."""
+        return self._completion(matcher, dfa, dfa.initial if dfa is not None else None, scale=START_WALK_SCALE)
 
-    def _complete(self, state: BudgetState, matcher: Matcher) -> Completion | None:
-        return self._completion(matcher, state.dfa, state.dfa_state)
+    def _complete(self, state: BudgetState, matcher: Matcher, tokens_left: int = 0) -> Completion | None:
+        # a completion that fits a large budget may be long: the walk's bounds grow with it
+        return self._completion(matcher, state.dfa, state.dfa_state, scale=1 + tokens_left // _TOKENS_PER_WALK_SCALE)
 
-    def _completion(self, matcher: Matcher, dfa: RegexCompletions | None, dfa_state: int | None) -> Completion | None:
+    def _completion(self, matcher: Matcher, dfa: RegexCompletions | None, dfa_state: int | None, *,
+                    scale: int = 1) -> Completion | None:
         """From the DFA's exact table where there is one, else by walking the matcher."""
         if dfa is None:
-            return self.completer.complete(matcher)
+            return self.completer.complete(matcher, scale=scale)
         text = dfa.completion(dfa_state)
         return Completion(text, self.completer.encode(text)) if text is not None else None
 
@@ -120,6 +138,10 @@ class BudgetSteering:
             return None
         room = tokens_left - 1
         near = before is None or room - before.cost <= max(_FAR_TOKENS, before.cost)
+        if not near and state.opened and room <= _OPENING_WINDOW * max(_FAR_TOKENS, before.cost):
+            # a new item or property can cost far more than the completion before it (an array
+            # item with required nested objects): decided now, while the token can be taken back
+            near, state.stale = True, True
         if not near:
             state.stale = state.stale or touched
             return None  # far from the end: the completion from a few tokens back is good enough
@@ -133,7 +155,7 @@ class BudgetSteering:
             rest = before.text[len(text):]
             after = Completion(rest, self.completer.encode(rest))
         else:
-            after = self._complete(state, matcher)
+            after = self._complete(state, matcher, tokens_left)
         state.stale = False
         if after is None:  # the walk found no end from here: try again a few tokens on
             state.completion, state.retry_below = None, tokens_left - _RETRY_AFTER_TOKENS
@@ -153,7 +175,7 @@ class BudgetSteering:
         # take the model's token back and follow the completion from the state before it
         matcher.rollback(1)
         state.restore(saved)
-        fresh = self._complete(state, matcher)
+        fresh = self._complete(state, matcher, tokens_left)
         if fresh is not None and not fresh.token_ids:
             finishes = True  # complete already: stop here rather than let the output grow
         if fresh is None or (finishes and fresh.cost > tokens_left):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -218,3 +219,34 @@ def test_a_pattern_string_closes_within_the_budget(real_engine: Engine, budget: 
         assert out.finish_reason is FinishReason.STOP, (budget, out.text)
         assert out.completion_tokens <= budget
         jsonschema.validate(json.loads(out.text), schema)
+
+
+PRACTICE = Path(__file__).resolve().parent.parent / "data" / "maskbench-practice"
+
+
+def _practice_answer(engine: Engine, name: str, max_tokens: int = 512, prompt_chars: int = 6000) -> Any:
+    """The practice corpus's generation as benchmarks/eval_schemas.py runs it (greedy)."""
+    schema = json.loads((PRACTICE / name).read_text())["schema"]
+    prompt = engine.apply_chat_template([{"role": "user", "content": "Produce one JSON document for this schema:\n"
+                                                                      + json.dumps(schema, ensure_ascii=False)[:prompt_chars]}])
+    return schema, engine.generate(prompt, SamplingParams(max_new_tokens=max_tokens, temperature=0, json_schema=schema))
+
+
+@pytest.mark.real_model
+def test_a_new_array_item_too_costly_to_finish_is_taken_back(real_engine: Engine) -> None:
+    """The model repeats an action until late, closes the statement, then opens another one whose
+    required fields cost ~60 tokens with ~60 left: steering takes that item back and closes."""
+    schema, out = _practice_answer(real_engine, "Github_easy---o26627.json")
+    assert out.finish_reason is FinishReason.STOP and out.shortened, (out.finish_reason, out.text[-200:])
+    jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.real_model
+def test_a_schema_whose_shortest_answer_walks_past_the_usual_bound_is_refused_up_front(real_engine: Engine) -> None:
+    """42 required nested objects and an unanchored date pattern: the shortest answer is found
+    (it does not fit 512 tokens), so the request is refused before generation, not cut."""
+    _, out = _practice_answer(real_engine, "Github_hard---o25886.json", prompt_chars=600)
+    needed = _refused_below(out, 512)
+    assert needed is not None and needed < 1200
+    _, fits = _practice_answer(real_engine, "Github_hard---o25886.json", max_tokens=needed + 40, prompt_chars=600)
+    assert fits.finish_reason is FinishReason.STOP, (fits.finish_reason, fits.text[-200:])

@@ -1,0 +1,72 @@
+"""The cheapest completion budget steering closes an output with: shapes from real-world schemas
+where the walk was long or found no end."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+
+from radixgen.constraints import GrammarService, make_backend
+from radixgen.constraints.budget import START_WALK_SCALE, Completer
+from radixgen.constraints.spec import schema_spec
+
+VOCAB = 49152
+
+POLICY = {"type": "object", "properties": {"statements": {"type": "array", "items": {
+    "type": "object", "properties": {
+        "effect": {"type": "string", "pattern": "^allow|deny$"},
+        "actions": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]+:\\w+$"}},
+        "resources": {"type": "array", "items": {"type": "string", "pattern": "^brn:(\\w+):(\\w+):(\\w*)$"}}},
+    "required": ["effect", "actions", "resources"], "additionalProperties": False}}},
+    "required": ["statements"], "additionalProperties": False}
+
+# every property required, one of them a date under a pattern with no anchors (so any text may
+# come before the date, and letter by letter the walk never writes one)
+CATALOGUE = {"type": "object", "additionalProperties": False,
+             "properties": {**{f"unit{i}": {"type": "object", "properties": {
+                 "unit": {"enum": ["kg", "g"]}, "value": {"type": "number"}}, "required": ["unit", "value"],
+                 "additionalProperties": False} for i in range(60)},
+                 "date": {"type": "string", "pattern": "\\d{4}-\\d{2}-\\d{2}|\\d{4}-\\d{2}-\\d{2}T\\d{2}:\\d{2}"}},
+             "required": [*(f"unit{i}" for i in range(60)), "date"]}
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def walk(request: pytest.FixtureRequest, tokenizer: Any) -> Any:
+    service = GrammarService(make_backend(request.param, tokenizer, VOCAB, [tokenizer.eos_token_id]))
+    completer = Completer(tokenizer, VOCAB, [tokenizer.eos_token_id])
+
+    def complete(schema: dict[str, Any], prefix: str, *, scale: int = 1) -> str | None:
+        matcher = service.compile(schema_spec(schema)).matcher()
+        assert all(matcher.accept(t) for t in tokenizer.encode(prefix, add_special_tokens=False))
+        found = completer.complete(matcher, scale=scale)
+        return None if found is None else found.text
+
+    return complete
+
+
+def test_an_open_array_is_closed_empty_rather_than_given_an_item(walk: Any) -> None:
+    prefix = '{"statements": [{"effect": "allow", "actions": ["deny:allow", "deny:al'
+    text = walk(POLICY, prefix)
+    assert text is not None and text.endswith('"], "resources": []}]}'), text
+    jsonschema.validate(json.loads(prefix + text), POLICY)
+    # a pattern's separator comes as soon as the letters before it: "aaa:a", not "aaa_aaa_aaa_aaa:a"
+    item = walk(POLICY, '{"statements": [{"effect": "allow", "actions": ["')
+    assert item is not None and len(item.split('"')[0]) <= 8, item
+
+
+def test_a_date_under_an_unanchored_pattern_is_written_as_a_date(walk: Any) -> None:
+    text = walk(CATALOGUE, "", scale=START_WALK_SCALE)
+    assert text is not None and re.search(r'"date": "\d{4}-\d{2}-\d{2}"}$', text), text
+    jsonschema.validate(json.loads(text), CATALOGUE)
+
+
+def test_a_long_required_output_is_found_from_the_start(walk: Any) -> None:
+    """Its ~2,600 characters pass the usual bound: the start walk, cached per constraint, goes
+    further, so the request is refused or steered instead of neither."""
+    assert walk(CATALOGUE, "") is None
+    text = walk(CATALOGUE, "", scale=START_WALK_SCALE)
+    assert text is not None and len(text) > 2048
