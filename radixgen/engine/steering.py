@@ -138,7 +138,7 @@ class BudgetSteering:
             return None
         room = tokens_left - 1
         near = before is None or room - before.cost <= max(_FAR_TOKENS, before.cost)
-        if not near and state.opened and room <= _OPENING_WINDOW * max(_FAR_TOKENS, before.cost):
+        if before is not None and not near and state.opened and room <= _OPENING_WINDOW * max(_FAR_TOKENS, before.cost):
             # a new item or property can cost far more than the completion before it (an array
             # item with required nested objects): decided now, while the token can be taken back
             near, state.stale = True, True
