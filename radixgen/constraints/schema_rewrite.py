@@ -29,7 +29,8 @@ DEFAULT_OPTIONS = GrammarOptions()
 def grammar_schema(schema: Any, options: GrammarOptions = DEFAULT_OPTIONS) -> Any:
     """What the backends compile for ``schema`` (read by its draft: ``drafts.as_2020_12``)."""
     schema = as_2020_12(schema)
-    schema = limit_recursion(integral_counts(bound_numbers(declare_required(schema))), options.max_recursion_depth)
+    schema = limit_recursion(integral_counts(bound_numbers(declare_required(type_object_branches(schema)))),
+                             options.max_recursion_depth)
     return schema if options.open_objects else close_objects(schema)
 
 
@@ -50,6 +51,59 @@ def _declare_required_here(out: dict[str, Any]) -> dict[str, Any]:
     if undeclared:
         out["properties"] = {**properties, **undeclared}
     return out
+
+
+# Keywords that constrain only objects, and those that constrain only other types.
+_OBJECT_ONLY = frozenset({"properties", "required", "additionalProperties", "patternProperties", "minProperties",
+                          "maxProperties", "propertyNames", "dependentRequired", "dependentSchemas",
+                          "unevaluatedProperties"})
+_TYPED = frozenset({"type", "enum", "const", "$ref", "$dynamicRef", "allOf", "anyOf", "oneOf", "not", "if",
+                    "items", "prefixItems", "minItems", "maxItems", "contains", "uniqueItems", "minContains",
+                    "maxContains", "unevaluatedItems", "minLength", "maxLength", "pattern", "format", "minimum",
+                    "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "contentEncoding",
+                    "contentMediaType"})
+
+
+def type_object_branches(schema: Any) -> Any:
+    """A copy of ``schema`` where each ``oneOf`` with two or more branches that say nothing but
+    object keywords (``properties``, ``required``, ... and no ``type``) has those branches typed
+    ``object``. Such a branch lets every non-object through, so with two of them any string or
+    number passes two branches and fails the ``oneOf``: no valid answer is lost, but a grammar
+    (which reads ``oneOf`` as ``anyOf``) no longer offers "" for a material that must be one of
+    three object shapes. Branches are read through local ``$ref``s."""
+    if not isinstance(schema, dict):
+        return schema
+    return _bottom_up(schema, lambda node: _type_branches_here(schema, node))
+
+
+def _type_branches_here(root: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    branches = out.get("oneOf")
+    if not isinstance(branches, list):
+        return out
+    untyped = [i for i, b in enumerate(branches) if _only_object_keywords(_local_target(root, b))]
+    if len(untyped) >= 2:
+        out["oneOf"] = [{**b, "type": "object"} if i in untyped and isinstance(b, dict) else b
+                        for i, b in enumerate(branches)]
+    return out
+
+
+def _local_target(root: dict[str, Any], node: Any) -> Any:
+    for _ in range(8):
+        ref = node.get("$ref") if isinstance(node, dict) else None
+        if not (isinstance(ref, str) and ref.startswith("#/") and set(node) - _ANNOTATIONS == {"$ref"}):
+            return node
+        target: Any = root
+        for part in ref[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                return None
+            target = target[part]
+        node = target
+    return None
+
+
+def _only_object_keywords(node: Any) -> bool:
+    return isinstance(node, dict) and bool(_OBJECT_ONLY & node.keys()) and not _TYPED & node.keys()
 
 
 _ROOT = "__root__"

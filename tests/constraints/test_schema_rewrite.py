@@ -16,6 +16,7 @@ from radixgen.constraints.schema_rewrite import (
     close_objects,
     grammar_schema,
     limit_recursion,
+    type_object_branches,
 )
 from radixgen.constraints.spec import regex_spec, schema_spec
 from radixgen.constraints.structural import structural_spec
@@ -218,3 +219,36 @@ def test_an_object_whose_dependent_schemas_name_only_its_own_properties_is_close
     assert "additionalProperties" not in grammar_schema(adds), "closing would forbid what the dependent requires"
     branching = {"type": "object", "properties": {"a": {}}, "dependentSchemas": {"a": {"anyOf": [{"required": ["a"]}]}}}
     assert "additionalProperties" not in grammar_schema(branching)
+
+
+MATERIAL = {"definitions": {
+    "solid": {"properties": {"type": {"enum": ["solid"]}, "colour": {"type": "string"}}, "required": ["type", "colour"],
+              "additionalProperties": False},
+    "texture": {"properties": {"type": {"enum": ["texture"]}, "path": {"type": "string"}}, "required": ["type", "path"],
+                "additionalProperties": False}},
+    "type": "object", "properties": {"material": {"oneOf": [{"$ref": "#/definitions/solid"},
+                                                            {"$ref": "#/definitions/texture"}]}},
+    "required": ["material"]}
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_oneof_branches_that_only_say_object_keywords_are_typed_object(tokenizer: Any, backend: str) -> None:
+    """A string passes both untyped branches at once, so it fails the oneOf: the grammar (oneOf
+    read as anyOf) must not offer it, and every object it offered before it still offers."""
+    import jsonschema
+
+    rewritten = type_object_branches(MATERIAL)
+    assert [b["type"] for b in rewritten["properties"]["material"]["oneOf"]] == ["object", "object"]
+    one_untyped = {"oneOf": [{"properties": {"a": {}}}, {"type": "string"}]}  # a string passes one branch
+    assert type_object_branches(one_untyped) == one_untyped
+    grammar = make_backend(backend, tokenizer, 49152, [tokenizer.eos_token_id]).compile(schema_spec(MATERIAL))
+
+    def accepts(text: str) -> bool:
+        matcher = grammar.matcher()
+        return all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False)) and matcher.accept(
+            tokenizer.eos_token_id)
+
+    for text, valid in (('{"material": ""}', False), ('{"material": 0}', False),
+                        ('{"material": {"type": "solid", "colour": "red"}}', True)):
+        assert valid == jsonschema.Draft7Validator(MATERIAL).is_valid(json.loads(text))
+        assert accepts(text) == valid, text
