@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from radixgen.constraints.partial import PartialJson
 from radixgen.lang.backends import Backend
 from radixgen.lang.ir import Concat, Expr, Gen, RoleBegin, RoleEnd, Select
 from radixgen.templates import ROLES
@@ -48,6 +49,8 @@ class ProgramState:
         self._num_steps = 0
         self._error: BaseException | None = None
         self._stream: queue.SimpleQueue[Any] | None = queue.SimpleQueue() if stream else None
+        self._partials: dict[str, queue.SimpleQueue[Any]] = {}  # a JSON gen's name -> its partial values
+        self._closed = False
 
     # ---- writing ------------------------------------------------------------------------
 
@@ -153,16 +156,47 @@ class ProgramState:
         if self._error is not None:
             raise self._error
 
+    def partials(self, name: str) -> Iterator[Any]:
+        """With ``run(..., stream=True)``: the JSON value of generation ``name`` as it grows,
+        complete values only (each contains the one before; the last is the whole value)."""
+        if self._stream is None:
+            raise ValueError("partials needs a state from run(..., stream=True)")
+        values = self._partial_queue(name)
+        while True:
+            value = values.get()
+            if value is _END:
+                break
+            yield value
+        if self._error is not None:
+            raise self._error
+
+    def _partial_queue(self, name: str) -> queue.SimpleQueue[Any]:
+        with self._lock:
+            values = self._partials.get(name)
+            if values is None:
+                values = self._partials[name] = queue.SimpleQueue()
+                if self._closed:  # the program is over: no such generation will come
+                    values.put(_END)
+            return values
+
     def close_stream(self) -> None:
         """The program's function returned: end ``text_iter`` after the last step."""
         if self._stream is not None:
             self._idle.wait()
             self._stream.put(_END)
+            self._end_partials()
 
     def fail_stream(self, error: BaseException) -> None:
         self._error = self._error or error
         if self._stream is not None:
             self._stream.put(_END)
+            self._end_partials()
+
+    def _end_partials(self) -> None:
+        with self._lock:
+            self._closed = True
+            for values in self._partials.values():
+                values.put(_END)
 
     def __repr__(self) -> str:
         return f"ProgramState({self._name}, {len(self._text)} chars, vars={sorted(self._vars)})"
@@ -212,7 +246,23 @@ class ProgramState:
         params = {"max_new_tokens": 128, **self._defaults, **item.params}
         if "seed" not in params and self._seeds is not None:
             params["seed"] = self._seeds.getrandbits(63)
-        result = self.backend.generate(self._text, params, on_text=self._append if self._stream else None)
+        on_text = self._append if self._stream else None
+        partials = None
+        if self._stream is not None and item.name is not None and params.get("json_schema") is not None:
+            partials, values = PartialJson(), self._partial_queue(item.name)
+
+            def on_text(text: str) -> None:
+                self._append(text)
+                value = partials.feed(text)
+                if value is not None:
+                    values.put(value)
+
+        result = self.backend.generate(self._text, params, on_text=on_text)
+        if partials is not None:
+            last = partials.feed("", final=True)
+            if last is not None:
+                values.put(last)
+            values.put(_END)
         if self._stream is None:
             self._text += result.text
         if params.get("json_schema") is not None and result.meta.get("finish_reason") == "length":

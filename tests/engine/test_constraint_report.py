@@ -129,3 +129,18 @@ def test_an_aborted_request_is_reported_aborted(make_engine: Callable[..., Engin
     final = next(o for o in outputs if o.finished)
     assert final.finish_reason is FinishReason.ABORT and final.constraint is not None
     assert (final.constraint.ended, final.constraint.valid) == ("aborted", False)
+
+
+def test_a_forced_tool_call_is_reported_as_one(make_engine: Callable[..., Engine]) -> None:
+    from radixgen import tool_formats
+
+    schema = {"type": "object", "properties": {"legs": {"enum": [0, 2, 4]}}, "required": ["legs"],
+              "additionalProperties": False}
+    structure = {"tool_calls": tool_formats.HERMES.structure([("count_legs", schema)], free_text=False, min_calls=1,
+                                                             max_calls=1)}
+    engine = make_engine()
+    out = engine.generate("Legs:", SamplingParams(max_new_tokens=60, temperature=0, structural=structure))
+    report = out.constraint
+    _, calls = tool_formats.parse(tool_formats.HERMES, out.text)
+    assert report is not None and report.kind == "tool_call" and report.backend in ("xgrammar", "llguidance")
+    assert report.valid == (len(calls) == 1 and independently_valid(calls[0].arguments, schema)), out.text

@@ -131,6 +131,26 @@ def test_stream_yields_the_text_as_it_is_generated(runtime: Runtime) -> None:
     assert answer_chunks >= 3, f"the answer should arrive token by token, got {chunks}"
 
 
+def test_a_streamed_json_gen_yields_its_partial_values(runtime: Runtime) -> None:
+    from tests.constraints.test_partial import contained
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 4},
+                                                        "minItems": 2, "maxItems": 3}},
+              "required": ["name", "tags"], "additionalProperties": False}
+
+    @function
+    def card(s: Any) -> None:
+        s += "Card: " + gen("card", json_schema=schema, max_tokens=60, temperature=0.8)
+
+    state = card.run(backend=runtime, seed=3, stream=True)
+    values = list(state.partials("card"))
+    assert values and values[-1] == state["card"]
+    assert all(contained(a, b) for a, b in zip(values, values[1:], strict=False))
+    assert [v for v in values if "tags" in v][0]["tags"] == state["card"]["tags"][:1], "the array grows item by item"
+    assert list(state.partials("never")) == [], "a name no gen has ends with the program"
+
+
 def test_run_batch_keeps_order_and_matches_single_runs_with_the_same_seed(runtime: Runtime) -> None:
     questions = [{"question": q} for q in ("One?", "Two?", "Three?", "Four?")]
     states = chat.run_batch(questions, backend=runtime, seed=100, progress_bar=True, temperature=0.8)
