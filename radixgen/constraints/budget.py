@@ -309,6 +309,8 @@ class BudgetState:
     dfa: RegexCompletions | None = None
     """A regex's or choice list's DFA, for exact shortest completions (None: walk the matcher)."""
     dfa_state: int | None = None
+    strings: tuple[str, ...] = ()
+    """The shortest matches of the schema's patterns, for walks to write whole (``Completer.complete``)."""
     completion: Completion | None = None
     """Cheapest completion from the current state (possibly from a few tokens back: see _FAR_TOKENS)."""
     stale: bool = False

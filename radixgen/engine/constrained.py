@@ -26,7 +26,7 @@ from radixgen.constraints.budget import Completer, Completion, RegexCompletions
 from radixgen.constraints.call_validation import StructuralValidation
 from radixgen.constraints.events import SchemaValidators, Validation
 from radixgen.constraints.mask import ALL_ALLOWED, ban_tokens
-from radixgen.constraints.spec import ConstraintSpec
+from radixgen.constraints.spec import ConstraintSpec, pattern_examples
 from radixgen.constraints.state import ConstraintState, ForcedMismatch
 from radixgen.constraints.structural import structural_parts
 from radixgen.engine.plan import StepPlan
@@ -43,6 +43,10 @@ DEAD_END = ("the constraint reached a state that no token of this model can cont
              "characters the tokenizer cannot produce): simplify the constraint")
 
 
+ShortestOutput = tuple[Completion | None, RegexCompletions | None, tuple[str, ...]]
+"""A constraint's shortest output, a regex's completion table, a schema's pattern examples."""
+
+
 class ConstrainedDecoding:
     def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
                  device: torch.device) -> None:
@@ -56,7 +60,7 @@ class ConstrainedDecoding:
         if config.budget_steering and tokenizer is not None:
             self.steering = BudgetSteering(Completer(tokenizer, vocab_size, stop_token_ids), tokenizer,
                                            margin_tokens=config.budget_margin_tokens)
-        self._shortest: OrderedDict[tuple[str, str], tuple[Completion | None, RegexCompletions | None]] = OrderedDict()
+        self._shortest: OrderedDict[tuple[str, str], ShortestOutput] = OrderedDict()
 
     def grammars(self) -> GrammarService:
         """The compiler service, created on first use (building the tokenizer index costs ~1 s)."""
@@ -77,7 +81,7 @@ class ConstrainedDecoding:
         spec = req.params.constraint
         assert spec is not None
         if self.steering is not None:
-            shortest, dfa = self._shortest_output(spec, state.matcher)
+            shortest, dfa, strings = self._shortest_output(spec, state.matcher)
             budget = req.tokens_left(max_context_len)
             if shortest is not None and shortest.cost > budget:
                 raise InvalidParamsError(
@@ -85,13 +89,14 @@ class ConstrainedDecoding:
                     f"({shortest.text[:80]!r}), but this request may generate only {budget}: raise max_tokens "
                     f"(max_new_tokens) to at least {shortest.cost}")
             if shortest is not None:
-                self.steering.start(state, spec, shortest, dfa)
+                self.steering.start(state, spec, shortest, dfa, strings)
         state.validation = self._validation(req, grammar)
         req.constraint = state
 
     def _shortest_output(self, spec: ConstraintSpec, matcher: Matcher
-                         ) -> tuple[Completion | None, RegexCompletions | None]:
-        """The shortest output of ``spec`` and, for a regex or choices, its completion table (cached)."""
+                         ) -> ShortestOutput:
+        """The shortest output of ``spec``; for a regex or choices, its completion table; for a
+        schema, the shortest match of each of its patterns for completions to write (cached)."""
         assert self.steering is not None
         cached = self._shortest.get(spec.key)
         if cached is not None:
@@ -103,7 +108,8 @@ class ConstrainedDecoding:
                 dfa = RegexCompletions(spec.pattern())
             except Exception:  # noqa: BLE001 - interegular cannot read it: walk the matcher instead
                 logger.debug("no DFA for %s; budget completions walk the matcher", spec.kind)
-        cached = self._shortest[spec.key] = (self.steering.shortest(matcher, dfa), dfa)
+        strings = pattern_examples(spec.schema()) if spec.kind == "json_schema" else ()
+        cached = self._shortest[spec.key] = (self.steering.shortest(matcher, dfa, strings), dfa, strings)
         if len(self._shortest) > _SHORTEST_CACHE_SIZE:
             self._shortest.popitem(last=False)
         return cached

@@ -72,24 +72,27 @@ class BudgetSteering:
         self._texts: dict[int, str] = {}
 
     def start(self, state: ConstraintState, spec: ConstraintSpec, shortest: Completion,
-              dfa: RegexCompletions | None) -> None:
+              dfa: RegexCompletions | None, strings: tuple[str, ...] = ()) -> None:
         state.budget = BudgetState(is_json=spec.kind in ("json_schema", "json_object"), completion=shortest, dfa=dfa,
-                                 dfa_state=dfa.initial if dfa is not None else None)
+                                 dfa_state=dfa.initial if dfa is not None else None, strings=strings)
 
-    def shortest(self, matcher: Matcher, dfa: RegexCompletions | None) -> Completion | None:
+    def shortest(self, matcher: Matcher, dfa: RegexCompletions | None, strings: tuple[str, ...] = ()
+                 ) -> Completion | None:
         """The shortest complete output of a fresh request (cached per constraint by the caller,
         so its walk may go furthest)."""
-        return self._completion(matcher, dfa, dfa.initial if dfa is not None else None, scale=START_WALK_SCALE)
+        return self._completion(matcher, dfa, dfa.initial if dfa is not None else None, scale=START_WALK_SCALE,
+                                strings=strings)
 
     def _complete(self, state: BudgetState, matcher: Matcher, tokens_left: int = 0) -> Completion | None:
         # a completion that fits a large budget may be long: the walk's bounds grow with it
-        return self._completion(matcher, state.dfa, state.dfa_state, scale=1 + tokens_left // _TOKENS_PER_WALK_SCALE)
+        return self._completion(matcher, state.dfa, state.dfa_state, scale=1 + tokens_left // _TOKENS_PER_WALK_SCALE,
+                                strings=state.strings)
 
     def _completion(self, matcher: Matcher, dfa: RegexCompletions | None, dfa_state: int | None, *,
-                    scale: int = 1) -> Completion | None:
+                    scale: int = 1, strings: tuple[str, ...] = ()) -> Completion | None:
         """From the DFA's exact table where there is one, else by walking the matcher."""
         if dfa is None:
-            return self.completer.complete(matcher, scale=scale)
+            return self.completer.complete(matcher, scale=scale, strings=strings)
         text = dfa.completion(dfa_state)
         return Completion(text, self.completer.encode(text)) if text is not None else None
 

@@ -39,10 +39,10 @@ def walk(request: pytest.FixtureRequest, tokenizer: Any) -> Any:
     service = GrammarService(make_backend(request.param, tokenizer, VOCAB, [tokenizer.eos_token_id]))
     completer = Completer(tokenizer, VOCAB, [tokenizer.eos_token_id])
 
-    def complete(schema: dict[str, Any], prefix: str, *, scale: int = 1) -> str | None:
+    def complete(schema: dict[str, Any], prefix: str, *, scale: int = 1, strings: tuple[str, ...] = ()) -> str | None:
         matcher = service.compile(schema_spec(schema)).matcher()
         assert all(matcher.accept(t) for t in tokenizer.encode(prefix, add_special_tokens=False))
-        found = completer.complete(matcher, scale=scale)
+        found = completer.complete(matcher, scale=scale, strings=strings)
         return None if found is None else found.text
 
     return complete
@@ -70,3 +70,16 @@ def test_a_long_required_output_is_found_from_the_start(walk: Any) -> None:
     assert walk(CATALOGUE, "") is None
     text = walk(CATALOGUE, "", scale=START_WALK_SCALE)
     assert text is not None and len(text) > 2048
+
+
+def test_a_patterns_shortest_match_is_written_where_the_letters_cannot_find_it(walk: Any) -> None:
+    """An unanchored pattern lets any text in before its match, so letter by letter the walk
+    never ends the string; the schema's own pattern, read once, gives the text to write."""
+    from radixgen.constraints.spec import pattern_examples
+
+    schema = {"type": "object", "properties": {"ticket": {"type": "string", "pattern": "[A-Z]{2}-[0-9]{3}"}},
+              "required": ["ticket"], "additionalProperties": False}
+    strings = pattern_examples(schema)
+    assert strings == ("AA-000",)
+    text = walk(schema, "", strings=strings)
+    assert text is not None and re.search("[A-Z]{2}-[0-9]{3}", json.loads(text)["ticket"]), text
