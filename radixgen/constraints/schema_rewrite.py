@@ -29,9 +29,37 @@ DEFAULT_OPTIONS = GrammarOptions()
 def grammar_schema(schema: Any, options: GrammarOptions = DEFAULT_OPTIONS) -> Any:
     """What the backends compile for ``schema`` (read by its draft: ``drafts.as_2020_12``)."""
     schema = as_2020_12(schema)
-    schema = limit_recursion(integral_counts(bound_numbers(declare_required(type_object_branches(schema)))),
+    schema = limit_recursion(integral_counts(bound_numbers(declare_required(require_dependents(type_object_branches(schema))))),
                              options.max_recursion_depth)
     return schema if options.open_objects else close_objects(schema)
+
+
+def require_dependents(schema: Any) -> Any:
+    """A copy of ``schema`` where a required property's dependents (``dependentRequired``, and the
+    ``required`` of a ``dependentSchemas`` entry) are required too, to a fixed point: the same
+    instances are valid, but a grammar that ignores the dependency keywords now enforces them. A
+    recursive schema whose required property requires its own recursion is thereby seen to
+    have no finite instance (refused at compile instead of ending in a violation)."""
+    return _bottom_up(schema, _require_dependents_here)
+
+
+def _require_dependents_here(out: dict[str, Any]) -> dict[str, Any]:
+    required = out.get("required")
+    names = out.get("dependentRequired")
+    schemas = out.get("dependentSchemas")
+    if not isinstance(required, list) or not (isinstance(names, dict) or isinstance(schemas, dict)):
+        return out
+    closure = [r for r in required if isinstance(r, str)]
+    for trigger in closure:  # grows while it is read: a fixed point
+        more = (names or {}).get(trigger) if isinstance(names, dict) else None
+        sub = (schemas or {}).get(trigger) if isinstance(schemas, dict) else None
+        added = list(more) if isinstance(more, list) else []
+        if isinstance(sub, dict) and isinstance(sub.get("required"), list):
+            added += sub["required"]
+        closure += [name for name in added if isinstance(name, str) and name not in closure]
+    if len(closure) > len(required):
+        out["required"] = [*required, *(name for name in closure if name not in required)]
+    return out
 
 
 def declare_required(schema: Any) -> Any:

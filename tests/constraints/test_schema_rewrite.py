@@ -16,6 +16,7 @@ from radixgen.constraints.schema_rewrite import (
     close_objects,
     grammar_schema,
     limit_recursion,
+    require_dependents,
     type_object_branches,
 )
 from radixgen.constraints.spec import regex_spec, schema_spec
@@ -252,3 +253,21 @@ def test_oneof_branches_that_only_say_object_keywords_are_typed_object(tokenizer
                         ('{"material": {"type": "solid", "colour": "red"}}', True)):
         assert valid == jsonschema.Draft7Validator(MATERIAL).is_valid(json.loads(text))
         assert accepts(text) == valid, text
+
+
+def test_a_required_propertys_dependents_are_required_in_the_grammar(tokenizer: Any) -> None:
+    from radixgen.errors import InvalidConstraintError
+
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}, "a": {"type": "string"}, "b": {}},
+              "required": ["x"], "dependentRequired": {"x": ["a"]}, "dependentSchemas": {"a": {"required": ["b"]}}}
+    assert require_dependents(schema)["required"] == ["x", "a", "b"]
+    optional = {**schema, "required": []}
+    assert require_dependents(optional) == optional, "an optional trigger is the validators' to check"
+    # each level requires the next through a draft-07 dependency: no finite instance exists, and
+    # the grammar now says so at compile instead of the answer ending in a violation
+    endless = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+               "properties": {"a": {"$ref": "#"}, "x": {"type": "integer"}}, "required": ["x"],
+               "dependencies": {"x": {"required": ["a"]}}}
+    for backend in ("xgrammar", "llguidance", "auto"):
+        with pytest.raises(InvalidConstraintError):
+            make_backend(backend, tokenizer, 49152, [tokenizer.eos_token_id]).compile(schema_spec(endless))
