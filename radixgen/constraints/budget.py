@@ -16,13 +16,16 @@ choices are walked the same way (their automata are the same kind of matcher).
 
 from __future__ import annotations
 
+import json
 import string
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from radixgen.constraints.backend import Matcher
+from radixgen.constraints.spec import MAX_REGEX_STATES, state_budget
 
 # Which character the walk tries first where several are allowed: closers (end a string, an
 # object, an array), then the shortest values (digits), then letters and punctuation.
@@ -391,3 +394,44 @@ class BudgetState:
             else:
                 self.string_chars += 1
         return touched
+
+
+MAX_PATTERN_EXAMPLES = 16
+PATTERN_EXAMPLES_S = 0.1
+"""At most this long for all of a schema's pattern examples: they are found on the engine's loop
+thread when a schema is first attached (then cached with its shortest output)."""
+
+
+def pattern_examples(schema: Any) -> tuple[str, ...]:
+    """The shortest text each ``pattern`` in ``schema`` matches as a whole, shortest first, as
+    JSON string content (escaped), for budget completions to write where a pattern wants one.
+    Patterns interegular cannot read, or only with too many states, are left out."""
+    found: set[str] = set()
+    stack = [schema]
+    patterns: list[str] = []
+    while stack and len(patterns) < MAX_PATTERN_EXAMPLES:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                patterns.append(node["pattern"])
+            stack.extend(v for k, v in node.items() if k not in ("enum", "const", "default", "examples"))
+        elif isinstance(node, list):
+            stack.extend(node)
+    deadline = time.monotonic() + PATTERN_EXAMPLES_S
+    for pattern in patterns:
+        if time.monotonic() > deadline:
+            break
+        core = pattern[1:] if pattern.startswith("^") else pattern
+        core = core[:-1] if core.endswith("$") and not core.endswith("\\$") else core
+        try:
+            # backwards from the accepting states, linear in the automaton (enumerating its
+            # strings breadth-first grows with the alphabet to the power of the length: a UUID
+            # pattern took the engine to 24 GB)
+            with state_budget(MAX_REGEX_STATES // 8, PATTERN_EXAMPLES_S):
+                completions = RegexCompletions(core)
+            text = completions.completion(completions.initial)
+        except Exception:  # noqa: BLE001 - unreadable, unsupported or too large: no example
+            continue
+        if text is not None:
+            found.add(json.dumps(text)[1:-1])
+    return tuple(sorted(found, key=len))

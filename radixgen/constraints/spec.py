@@ -87,7 +87,7 @@ def regex_spec(pattern: str) -> ConstraintSpec:
                 f"regex {pattern[:80]!r} expands to about {size} positions once its repetitions are unrolled; the "
                 f"limit is {MAX_REGEX_POSITIONS}: use smaller counts ('+' instead of '{{1,5000}}'), or choices for a "
                 f"long list of alternatives")
-        with _state_budget(MAX_REGEX_STATES, MAX_REGEX_CHECK_S):
+        with state_budget(MAX_REGEX_STATES, MAX_REGEX_CHECK_S):
             fsm = interegular.parse_pattern(pattern).to_fsm()
     except _StateBudgetExceeded:
         raise InvalidConstraintError(
@@ -107,45 +107,6 @@ class _StateBudgetExceeded(Exception):
     pass
 
 
-MAX_PATTERN_EXAMPLES = 16
-PATTERN_EXAMPLES_S = 0.1
-"""At most this long for all of a schema's pattern examples: they are found on the engine's loop
-thread when a schema is first attached (then cached with its shortest output)."""
-
-
-def pattern_examples(schema: Any) -> tuple[str, ...]:
-    """The shortest text each ``pattern`` in ``schema`` matches as a whole, shortest first, as
-    JSON string content (escaped), for budget completions to write where a pattern wants one.
-    Patterns interegular cannot read, or only with too many states, are left out."""
-    import interegular
-
-    found: set[str] = set()
-    stack = [schema]
-    patterns: list[str] = []
-    while stack and len(patterns) < MAX_PATTERN_EXAMPLES:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if isinstance(node.get("pattern"), str):
-                patterns.append(node["pattern"])
-            stack.extend(v for k, v in node.items() if k not in ("enum", "const", "default", "examples"))
-        elif isinstance(node, list):
-            stack.extend(node)
-    deadline = time.monotonic() + PATTERN_EXAMPLES_S
-    for pattern in patterns:
-        if time.monotonic() > deadline:
-            break
-        core = pattern[1:] if pattern.startswith("^") else pattern
-        core = core[:-1] if core.endswith("$") and not core.endswith("\\$") else core
-        try:
-            with _state_budget(MAX_REGEX_STATES // 8, PATTERN_EXAMPLES_S):
-                fsm = interegular.parse_pattern(core).to_fsm()
-                text = next(iter(fsm.strings()), None)  # breadth-first: the shortest first
-        except Exception:  # noqa: BLE001 - unreadable, unsupported or too large: no example
-            continue
-        if text is not None:
-            found.add(json.dumps("".join(c if isinstance(c, str) else "a" for c in text))[1:-1])
-    return tuple(sorted(found, key=len))
-
 
 _budget = threading.local()
 _budget_installed = False
@@ -153,7 +114,7 @@ _budget_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def _state_budget(states: int, seconds: float) -> Iterator[None]:
+def state_budget(states: int, seconds: float) -> Iterator[None]:
     """Bound the states interegular may build on this thread, and its time. Its determinisation
     can grow exponentially and cannot be interrupted, so every state its ``crawl`` discovers is
     counted and the check is abandoned past the budget (interegular 0.3 builds every automaton

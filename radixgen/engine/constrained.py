@@ -22,11 +22,11 @@ from radixgen.constraints import (
     make_backend,
 )
 from radixgen.constraints.backend import Matcher
-from radixgen.constraints.budget import Completer, Completion, RegexCompletions
+from radixgen.constraints.budget import Completer, Completion, RegexCompletions, pattern_examples
 from radixgen.constraints.call_validation import StructuralValidation
 from radixgen.constraints.events import SchemaValidators, Validation
 from radixgen.constraints.mask import ALL_ALLOWED, ban_tokens
-from radixgen.constraints.spec import ConstraintSpec, pattern_examples
+from radixgen.constraints.spec import ConstraintSpec
 from radixgen.constraints.state import ConstraintState, ForcedMismatch
 from radixgen.constraints.structural import structural_parts
 from radixgen.engine.plan import StepPlan

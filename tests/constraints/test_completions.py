@@ -75,7 +75,7 @@ def test_a_long_required_output_is_found_from_the_start(walk: Any) -> None:
 def test_a_patterns_shortest_match_is_written_where_the_letters_cannot_find_it(walk: Any) -> None:
     """An unanchored pattern lets any text in before its match, so letter by letter the walk
     never ends the string; the schema's own pattern, read once, gives the text to write."""
-    from radixgen.constraints.spec import pattern_examples
+    from radixgen.constraints.budget import pattern_examples
 
     schema = {"type": "object", "properties": {"ticket": {"type": "string", "pattern": "[A-Z]{2}-[0-9]{3}"}},
               "required": ["ticket"], "additionalProperties": False}
