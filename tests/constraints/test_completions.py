@@ -80,6 +80,6 @@ def test_a_patterns_shortest_match_is_written_where_the_letters_cannot_find_it(w
     schema = {"type": "object", "properties": {"ticket": {"type": "string", "pattern": "[A-Z]{2}-[0-9]{3}"}},
               "required": ["ticket"], "additionalProperties": False}
     strings = pattern_examples(schema)
-    assert strings == ("AA-000",)
+    assert strings == ("AA-111",)
     text = walk(schema, "", strings=strings)
     assert text is not None and re.search("[A-Z]{2}-[0-9]{3}", json.loads(text)["ticket"]), text
