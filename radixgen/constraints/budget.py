@@ -49,6 +49,7 @@ required properties) needs ~3,000 characters. Without a completion the request c
 refused for a budget it cannot fit nor steered to close."""
 _ENCODE_CACHE_SIZE = 4096
 _PLAIN_STRING_PROBE = 8
+_PAD_LENGTHS = (8, 16, 32)
 # The shortest values of the formats grammars enforce by pattern (date, date-time, time, email,
 # hostname, URI, UUID, IPv4/6, semantic version, duration), tried whole at a string's start
 _FORMAT_VALUES = ("1.0.0", "P1D", "::1", "0.0.0.0", "a@a.aa", "00:00:00Z", "2000-01-01", "http://a.aa",
@@ -173,9 +174,12 @@ class Completer:
                 matcher.rollback(len(ids))
                 return None
         for text in (*strings, *_FORMAT_VALUES):
-            ids = self.encode(text + '"')
-            if matcher.accept_all(ids):
-                return (len(ids), text + '"', None)
+            # as it is, then lengthened in front for a minLength beside a pattern that lets
+            # text in before its match ("1--1111" needs 35 characters: "aaa...1--1111")
+            for pad in ("", *(filler * count for count in _PAD_LENGTHS for filler in "a1")):
+                ids = self.encode(pad + text + '"')
+                if matcher.accept_all(ids):
+                    return (len(ids), pad + text + '"', None)
         return None
 
     def can_stop(self, matcher: Matcher) -> bool:
@@ -418,7 +422,9 @@ def pattern_examples(schema: Any) -> tuple[str, ...]:
         elif isinstance(node, list):
             stack.extend(node)
     deadline = time.monotonic() + PATTERN_EXAMPLES_S
-    for pattern in patterns:
+    # short patterns first: a huge character class (a 10,000-character unicode "letter" class)
+    # must not use up the time the others need
+    for pattern in sorted(patterns, key=len):
         if time.monotonic() > deadline:
             break
         core = pattern[1:] if pattern.startswith("^") else pattern

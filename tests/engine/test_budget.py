@@ -250,3 +250,13 @@ def test_a_schema_whose_shortest_answer_walks_past_the_usual_bound_is_refused_up
     assert needed is not None and needed < 1200
     _, fits = _practice_answer(real_engine, "Github_hard---o25886.json", max_tokens=needed + 40, prompt_chars=600)
     assert fits.finish_reason is FinishReason.STOP, (fits.finish_reason, fits.text[-200:])
+
+
+@pytest.mark.real_model
+def test_a_pattern_with_a_min_length_beside_it_is_completed_and_steered(real_engine: Engine) -> None:
+    """A trace id under an unanchored pattern and a minLength of 35: its shortest match alone is
+    too short, lengthened in front it fits; before, no completion was found from the start and
+    the answer ran to max_tokens unsteered."""
+    schema, out = _practice_answer(real_engine, "Github_hard---o79409.json", prompt_chars=1500)
+    assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.text[-200:])
+    jsonschema.validate(json.loads(out.text), schema)
