@@ -59,20 +59,30 @@ def report_share(engine: Any, batch: int, max_tokens: int, temperature: float) -
             "report_pct_of_run": 100 * spent[0] / wall}
 
 
+CATALOGUE = {"type": "object", "properties": {
+    "store": {"type": "string", "maxLength": 20},
+    "items": {"type": "array", "maxItems": 6, "items": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 16}, "price": {"type": "integer", "minimum": 0, "maximum": 1000},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}},
+        "required": ["name", "price", "tags"], "additionalProperties": False}}},
+    "required": ["store", "items"], "additionalProperties": False}
+"""A schema xgrammar enforces exactly: no validators, so its answer streams token by token."""
+
+
 def partial_cost(engine: Any, max_tokens: int) -> dict[str, Any]:
     from radixgen import SamplingParams
 
-    spec = next(s for s in API if s["name"] == "product")
-    prompt = engine.apply_chat_template([{"role": "user", "content": "Fill in a product as JSON."}])
-    params = SamplingParams(max_new_tokens=max_tokens, temperature=0, json_schema=spec["schema"])
-    times = {}
-    for with_partials in (False, True, False, True):
+    prompt = engine.apply_chat_template([{"role": "user", "content": "A shop's catalogue as JSON."}])
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=0, json_schema=CATALOGUE)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for with_partials in (False, True) * 3:
         start = time.perf_counter()
         deltas = list(engine.iter_outputs(prompt, params, include_partial=with_partials))
-        times[with_partials] = time.perf_counter() - start
+        times[with_partials].append(time.perf_counter() - start)
         assert deltas[-1].finish_reason is not None and deltas[-1].finish_reason.value == "stop", deltas[-1].error
-    return {"stream": "product, greedy", "deltas": len(deltas), "without_s": times[False], "with_partials_s": times[True],
-            "ratio": times[True] / times[False], "partials": sum(d.partial is not None for d in deltas)}
+    return {"stream": "catalogue, greedy", "deltas": len(deltas), "partials": sum(d.partial is not None for d in deltas),
+            "without_s": min(times[False]), "with_partials_s": min(times[True]),
+            "ratio": min(times[True]) / min(times[False])}
 
 
 def main() -> None:
