@@ -21,8 +21,9 @@ class GrammarService:
     """Caches compiled grammars by (backend, spec) and compiles misses on one worker thread.
 
     ``compile_async`` calls back exactly once: with the grammar, with the compile error, or with
-    a timeout error if the compile takes longer than ``timeout_s`` (the request is then failed;
-    the compile finishes in the background and still lands in the cache).
+    a timeout error if the compile takes longer than ``timeout_s`` once the worker has begun it
+    (the request is then failed; the compile finishes in the background and still lands in the
+    cache). Time spent queued behind other compiles does not count.
     """
 
     def __init__(self, backend: GrammarBackend, *, cache_size: int = 256, timeout_s: float = 30.0) -> None:
@@ -31,6 +32,8 @@ class GrammarService:
         self.timeout_s = timeout_s
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
         self._inflight: dict[tuple[str, str], Future[Grammar]] = {}
+        self._started: set[tuple[str, str]] = set()  # in-flight compiles the worker has begun
+        self._start_hooks: dict[tuple[str, str], list[Callable[[], None]]] = {}  # timers waiting for that
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixgen-grammar")
         self.hits = 0
@@ -69,7 +72,14 @@ class GrammarService:
         timer = threading.Timer(self.timeout_s, lambda: deliver(None, InvalidConstraintError(
             f"compiling the {spec.kind.replace('_', ' ')} took longer than {self.timeout_s:.0f} s; simplify it")))
         timer.daemon = True
-        timer.start()
+        # the timeout counts the compile itself, not the wait behind other schemas' compiles (128
+        # new schemas at once timed out from the 40th on, refused although each compiles in < 1 s)
+        with self._lock:
+            waiting = not future.done() and spec.key not in self._started
+            if waiting:
+                self._start_hooks.setdefault(spec.key, []).append(timer.start)
+        if not waiting:
+            timer.start()
         future.add_done_callback(on_done)
 
     def _future(self, spec: ConstraintSpec) -> Future[Grammar]:
@@ -83,14 +93,25 @@ class GrammarService:
             if pending is not None:
                 return pending
             self.misses += 1
-            future = self._pool.submit(self.backend.compile, spec)
+            future = self._pool.submit(self._compile, spec)
             self._inflight[spec.key] = future
         future.add_done_callback(lambda f: self._store(spec, f))
         return future
 
+    def _compile(self, spec: ConstraintSpec) -> Grammar:
+        """On the worker: start the waiting requests' timeouts, then compile."""
+        with self._lock:
+            self._started.add(spec.key)
+            hooks = self._start_hooks.pop(spec.key, [])
+        for start in hooks:
+            start()
+        return self.backend.compile(spec)
+
     def _store(self, spec: ConstraintSpec, future: Future[Grammar]) -> None:
         with self._lock:
             self._inflight.pop(spec.key, None)
+            self._started.discard(spec.key)
+            self._start_hooks.pop(spec.key, None)
             if future.exception() is None:
                 self._cache[spec.key] = future.result()
                 while len(self._cache) > self.cache_size:
