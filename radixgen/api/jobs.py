@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Request
 
 from radixgen.api.drain import Drain
-from radixgen.api.protocol import ConstraintReportBody, PromptTokensDetails, Usage
+from radixgen.api.protocol import PromptTokensDetails, Usage
 from radixgen.constraints.report import ConstraintReport
 from radixgen.engine.output import FinishReason, RequestOutput
 from radixgen.engine.params import SamplingParams
@@ -40,9 +40,6 @@ class ChoiceResult:
     shortened: bool = False
     constraint_warnings: list[str] | None = None
     constraint: ConstraintReport | None = None
-
-    def constraint_body(self) -> ConstraintReportBody | None:
-        return None if self.constraint is None else ConstraintReportBody(**self.constraint.to_dict())
 
 
 def usage(results: list[ChoiceResult]) -> Usage:

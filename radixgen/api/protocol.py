@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from radixgen.constraints.report import ConstraintReport
+
 
 def _id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
@@ -210,22 +212,6 @@ class ResponseMessage(BaseModel):
     """The legacy answer to a request with ``functions``."""
 
 
-class ConstraintReportBody(BaseModel):
-    """What the engine enforced on a constrained answer (``radixgen.constraints.report``)."""
-
-    kind: str
-    backend: str
-    valid: bool
-    ended: str
-    forced_tokens: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    rollbacks: int = 0
-    validator_retries: int = 0
-    steered_tokens: int = 0
-    searched_values: int = 0
-
-
 class ChatChoice(BaseModel):
     index: int
     message: ResponseMessage
@@ -237,7 +223,7 @@ class ChatChoice(BaseModel):
     constraint_warnings: list[str] | None = None
     """radixgen's extension: what the response format's grammar could not enforce (a lenient
     compile dropped it; validators checked the answer against it instead); null otherwise."""
-    constraint: ConstraintReportBody | None = None
+    constraint: ConstraintReport | None = None
     """radixgen's extension: what the constraint did to this answer (on a constrained answer
     only; in a stream, on the chunk that carries the finish_reason)."""
 
@@ -273,7 +259,7 @@ class ChatChunkChoice(BaseModel):
     constraint_warnings: list[str] | None = None
     """radixgen's extension: what the response format's grammar could not enforce (a lenient
     compile dropped it; validators checked the answer against it instead); null otherwise."""
-    constraint: ConstraintReportBody | None = None
+    constraint: ConstraintReport | None = None
     """radixgen's extension: what the constraint did to this answer (on a constrained answer
     only; in a stream, on the chunk that carries the finish_reason)."""
 
@@ -298,7 +284,7 @@ class CompletionChoice(BaseModel):
     constraint_warnings: list[str] | None = None
     """radixgen's extension: what the response format's grammar could not enforce (a lenient
     compile dropped it; validators checked the answer against it instead); null otherwise."""
-    constraint: ConstraintReportBody | None = None
+    constraint: ConstraintReport | None = None
     """radixgen's extension: what the constraint did to this answer (on a constrained answer
     only; in a stream, on the chunk that carries the finish_reason)."""
 

@@ -60,7 +60,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
                                   logprobs=token_logprobs(state.tokenizer, r, bool(top), state.token_bytes) if req.logprobs else None,
                                   shortened=r.shortened or None, constraint_warnings=r.constraint_warnings,
-                                  constraint=r.constraint_body()))
+                                  constraint=r.constraint))
     return ChatCompletionResponse(id=base_id, model=model, choices=choices, usage=usage(results))
 
 
@@ -163,12 +163,12 @@ def _chat_stream(request: Request, req: ChatCompletionRequest, tools: ToolPlan,
                                              shortened=(results[i].shortened or None) if last and out.finished else None,
                                              constraint_warnings=results[i].constraint_warnings
                                              if last and out.finished else None,
-                                             constraint=results[i].constraint_body() if last and out.finished else None)])
+                                             constraint=results[i].constraint if last and out.finished else None)])
             if out.finished and not deltas:
                 yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=reason,
                                              shortened=results[i].shortened or None,
                                              constraint_warnings=results[i].constraint_warnings,
-                                             constraint=results[i].constraint_body())])
+                                             constraint=results[i].constraint)])
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunk([], usage=usage(results))
         yield sse("[DONE]")

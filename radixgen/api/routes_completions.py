@@ -96,7 +96,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
             lp = _text_logprobs(state.tokenizer, r.token_ids, r.logprobs, r.top_logprobs)
         choices.append(CompletionChoice(index=i, text=text, finish_reason=r.finish_reason, logprobs=lp,
                                         shortened=r.shortened or None, constraint_warnings=r.constraint_warnings,
-                                        constraint=r.constraint_body()))
+                                        constraint=r.constraint))
     usage = Usage(prompt_tokens=sum(len(ids) for ids in prompts), completion_tokens=sum(len(r.token_ids) for r in results),
                   total_tokens=0, prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in results)))
     usage.total_tokens = usage.prompt_tokens + usage.completion_tokens

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixgen.constraints.drafts import as_2020_12
+from radixgen.constraints.events import deref
 
 
 @dataclass(frozen=True)
@@ -116,18 +117,10 @@ def _type_branches_here(root: dict[str, Any], out: dict[str, Any]) -> dict[str, 
 
 
 def _local_target(root: dict[str, Any], node: Any) -> Any:
-    for _ in range(8):
-        ref = node.get("$ref") if isinstance(node, dict) else None
-        if not (isinstance(ref, str) and ref.startswith("#/") and set(node) - _ANNOTATIONS == {"$ref"}):
-            return node
-        target: Any = root
-        for part in ref[2:].split("/"):
-            part = part.replace("~1", "/").replace("~0", "~")
-            if not isinstance(target, dict) or part not in target:
-                return None
-            target = target[part]
-        node = target
-    return None
+    """A branch that is only a local ``$ref`` (and annotations) read as its target."""
+    if isinstance(node, dict) and set(node) - _ANNOTATIONS == {"$ref"}:
+        return deref(root, node)
+    return node
 
 
 def _only_object_keywords(node: Any) -> bool:
