@@ -104,12 +104,9 @@ class ModelRunner:
         if small_linear_max_tokens <= 0:
             model.drop_plain_weights()
         self.weights = describe_weights(model)
-        dense_from = self.kernel_choices.dense_min_tokens() if self.kernel_choices else None
-        if dense_from is not None:
-            quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]  # before each gains a child
-            dense = sum(m.add_dense(pool.k.dtype, dense_from) for m in quantized)
-            self.weights += f"; steps of {dense_from}+ tokens on a dense {str(pool.k.dtype).removeprefix('torch.')} copy " \
-                            f"({dense / 2**20:.0f} MiB more), measured faster here"
+        large_steps = self.kernel_choices.quant_large_steps() if self.kernel_choices else None
+        if large_steps is not None:
+            self.weights += _run_large_steps(model, pool.k.dtype, *large_steps)
         logger.info("weights: %s", self.weights)
         if device.type == "cpu":
             moved = move_into_huge_pages([*model.parameters(), *model.buffers()])
@@ -197,3 +194,18 @@ def split_prompt_scores(plan: StepPlan, logits: torch.Tensor) -> tuple[torch.Ten
     targets = torch.from_numpy(scoring.targets).to(rows.device)
     chosen = rows.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(rows, dim=-1)
     return logits[: logits.shape[0] - count], chosen.cpu().numpy()
+
+
+def _run_large_steps(model: torch.nn.Module, dtype: torch.dtype, implementation: str, from_tokens: int) -> str:
+    """Set a quantized model's linears to run steps of ``from_tokens`` or more as tuning chose:
+    on a dense copy, or on tiles decoded per step; returns what the weights' description adds."""
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]  # before each gains a child
+    if implementation == "dense":
+        held = sum(m.add_dense(dtype, from_tokens) for m in quantized)
+        return (f"; steps of {from_tokens}+ tokens on a dense {str(dtype).removeprefix('torch.')} copy "
+                f"({held / 2**20:.0f} MiB more), measured faster here")
+    tile_dtype = getattr(torch, implementation.removeprefix("tiles_"))
+    for m in quantized:
+        m.set_tiles(from_tokens, tile_dtype)
+    return (f"; steps of {from_tokens}+ tokens on {str(tile_dtype).removeprefix('torch.')} tiles decoded per step, "
+            "measured faster here")

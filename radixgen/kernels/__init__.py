@@ -1,10 +1,11 @@
 """Native CPU kernels, compiled on first use with the system C++ compiler and cached.
 
-Seven sources (compiled as one unit, kernels.cpp), one extension registering ops under
+Eight sources (compiled as one unit, kernels.cpp), one extension registering ops under
 ``torch.ops.radixgen``: decode and prefill attention over the KV pool (decode_attention.cpp,
 prefill_attention.cpp), a matrix-vector linear for one or two tokens
 (small_linear.cpp), the fused element-wise steps of a layer (fused_ops.cpp), and weight-only
-4/5/6/8-bit linears (quant_linear.cpp) and the repacking of GGUF blocks for them (gguf_repack.cpp).
+4/5/6/8-bit linears (quant_linear.cpp), their records decoded into float tiles for
+large steps (quant_tiles.cpp), and the repacking of GGUF blocks for them (gguf_repack.cpp).
 
 The build goes through ``torch.utils.cpp_extension`` into ``$RADIXGEN_CACHE/kernels``, keyed by
 torch version, machine and source hash (torch rebuilds when the source changes), so a machine
@@ -29,11 +30,12 @@ from radixgen.kernels import ops  # noqa: F401  # defines the fused ops before t
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in (
-    "kernels.cpp", "decode_attention.cpp", "prefill_attention.cpp", "prefill_attention_float.cpp", "small_linear.cpp", "fused_ops.cpp", "quant_linear.cpp", "gguf_repack.cpp", "common.h", "quant_records.h")]
+    "kernels.cpp", "decode_attention.cpp", "prefill_attention.cpp", "prefill_attention_float.cpp", "small_linear.cpp", "fused_ops.cpp", "quant_linear.cpp", "quant_tiles.cpp", "gguf_repack.cpp", "common.h", "quant_records.h")]
 _UNIT = "kernels.cpp"  # includes the other sources
 # the ops only the extension defines (the attention kernels); the fused layer ops' schemas are
 # defined in ops.py, and the extension adds their CPU kernels
-_OPS = ("decode_attention", "prefill_attention", "prefill_attention_native", "shared_prefix_attention", "gguf_repack")
+_OPS = ("decode_attention", "prefill_attention", "prefill_attention_native", "shared_prefix_attention", "gguf_repack",
+        "dequantize_records")
 _FUSED_OPS = ("rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul", "small_linear", "quant_linear")
 # Release flags that keep IEEE semantics apart from reassociation (so the dot products
 # vectorise); -ffast-math would link crtfastmath and flush denormals process-wide. -fopenmp:
@@ -82,6 +84,8 @@ class CpuKernels:
     shared_prefix_attention: Any
     gguf_repack: Any
     """A GGUF tensor's quantized blocks as ``quant_linear``'s records (gguf_repack.cpp)."""
+    dequantize_records: Any
+    """Records decoded into a float tile of the transposed weight (quant_tiles.cpp)."""
 
     def prefill_attention_for(self, dtype: torch.dtype) -> Any:
         """The prefill kernel where the fixed rule takes it (bfloat16 on a CPU with AVX-512 BF16;

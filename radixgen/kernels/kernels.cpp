@@ -7,4 +7,5 @@
 #include "small_linear.cpp"
 #include "fused_ops.cpp"
 #include "quant_linear.cpp"
+#include "quant_tiles.cpp"
 #include "gguf_repack.cpp"

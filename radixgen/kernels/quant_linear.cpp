@@ -107,26 +107,6 @@ struct Activations {
 
 using Blocks = void (*)(const Activations&, const uint8_t*, int64_t, int64_t, int64_t, float*);
 
-// A record's value of element e (0..31) of row r, as the kernels multiply it (6 bits: q - 32).
-template <int kBits>
-inline int32_t record_value(const uint8_t* rec, int64_t r, int64_t e) {
-  const int64_t pair = e / 2, j = e % 2;
-  if constexpr (kBits == 8) {
-    return reinterpret_cast<const int8_t*>(rec)[32 * pair + 2 * r + j];
-  } else {
-    const int64_t c = pair % 8, lane = 2 * r + j;
-    const bool high_nibble = pair >= 8;
-    const uint8_t byte = rec[32 * c + lane];
-    int32_t q = high_nibble ? byte >> 4 : byte & 0x0F;
-    if constexpr (kBits != 4) {
-      constexpr int ex = extra_bits(kBits), h = high_rows(kBits);
-      const uint8_t bits = rec[256 + (c % h) * 32 + lane] >> ((c / h) * 2 * ex + (high_nibble ? ex : 0));
-      q |= (bits & ((1 << ex) - 1)) << 4;
-    }
-    return kBits == 6 ? q - 32 : q;
-  }
-}
-
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define RADIXGEN_QUANT_AVX512 1
 
@@ -142,7 +122,6 @@ void blocks_avx512(const Activations& a, const uint8_t* __restrict packed, int64
   const int64_t groups = a.groups;
   const int32_t* __restrict x32 = reinterpret_cast<const int32_t*>(a.xq);  // element pairs
   const int64_t pairs_per_token = a.k / 2;
-  const __m512i low_nibbles = _mm512_set1_epi16(0x0F);
   for (int64_t b = begin; b < end; ++b) {
     const uint8_t* __restrict block = packed + b * groups * stride;
     __m512 facc[kTokens];
@@ -163,21 +142,8 @@ void blocks_avx512(const Activations& a, const uint8_t* __restrict packed, int64
         }
       } else {
         for (int c = 0; c < 8; ++c) {
-          const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * c)));
-          __m512i lo = _mm512_and_si512(raw, low_nibbles), hi = _mm512_srli_epi16(raw, 4);
-          if constexpr (kBits != 4) {
-            constexpr int ex = extra_bits(kBits), h = high_rows(kBits);
-            const __m512i upper = _mm512_srl_epi16(
-                _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256 + (c % h) * 32))),
-                _mm_cvtsi32_si128((c / h) * 2 * ex));
-            const __m512i mask = _mm512_set1_epi16((1 << ex) - 1);
-            lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(upper, mask), 4));
-            hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(upper, ex), mask), 4));
-            if constexpr (kBits == 6) {
-              const __m512i offset = _mm512_set1_epi16(32);
-              lo = _mm512_sub_epi16(lo, offset), hi = _mm512_sub_epi16(hi, offset);
-            }
-          }
+          __m512i lo, hi;
+          nibble_chunk_avx512<kBits>(rec, c, lo, hi);
           for (int t = 0; t < kTokens; ++t) {
             const int32_t* xt = xg + t * pairs_per_token;
             iacc[t][0] = _mm512_dpwssd_epi32(iacc[t][0], lo, _mm512_set1_epi32(xt[c]));

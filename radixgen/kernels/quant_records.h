@@ -4,6 +4,10 @@
 
 #include <cstdint>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
 namespace radixgen::records {
 
 constexpr int64_t kGroup = 32;
@@ -17,5 +21,49 @@ constexpr bool has_min(int64_t bits) { return bits == 4 || bits == 5; }
 // extra bits above the nibble, and how many nibble chunks share a byte position of the high part
 constexpr int extra_bits(int64_t bits) { return bits == 5 ? 1 : bits == 6 ? 2 : 0; }
 constexpr int high_rows(int64_t bits) { return bits == 5 ? 2 : 4; }
+
+// A record's value of element e (0..31) of row r, as the kernels multiply it (6 bits: q - 32).
+template <int kBits>
+inline int32_t record_value(const uint8_t* rec, int64_t r, int64_t e) {
+  const int64_t pair = e / 2, j = e % 2;
+  if constexpr (kBits == 8) {
+    return reinterpret_cast<const int8_t*>(rec)[32 * pair + 2 * r + j];
+  } else {
+    const int64_t c = pair % 8, lane = 2 * r + j;
+    const bool high_nibble = pair >= 8;
+    const uint8_t byte = rec[32 * c + lane];
+    int32_t q = high_nibble ? byte >> 4 : byte & 0x0F;
+    if constexpr (kBits != 4) {
+      constexpr int ex = extra_bits(kBits), h = high_rows(kBits);
+      const uint8_t bits = rec[256 + (c % h) * 32 + lane] >> ((c / h) * 2 * ex + (high_nibble ? ex : 0));
+      q |= (bits & ((1 << ex) - 1)) << 4;
+    }
+    return kBits == 6 ? q - 32 : q;
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Nibble chunk c (0..7) of a 4/5/6-bit record as 32 int16 lanes (lane 2r + j: row r) with the
+// extra bits joined: ``lo`` holds elements 2c + j, ``hi`` elements 2c + j + 16 (6 bits: q - 32).
+template <int kBits>
+inline void nibble_chunk_avx512(const uint8_t* rec, int c, __m512i& lo, __m512i& hi) {
+  const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * c)));
+  lo = _mm512_and_si512(raw, _mm512_set1_epi16(0x0F));
+  hi = _mm512_srli_epi16(raw, 4);
+  if constexpr (kBits != 4) {
+    constexpr int ex = extra_bits(kBits), h = high_rows(kBits);
+    const __m512i upper = _mm512_srl_epi16(
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256 + (c % h) * 32))),
+        _mm_cvtsi32_si128((c / h) * 2 * ex));
+    const __m512i mask = _mm512_set1_epi16((1 << ex) - 1);
+    lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(upper, mask), 4));
+    hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(upper, ex), mask), 4));
+    if constexpr (kBits == 6) {
+      const __m512i offset = _mm512_set1_epi16(32);
+      lo = _mm512_sub_epi16(lo, offset), hi = _mm512_sub_epi16(hi, offset);
+    }
+  }
+}
+#endif
 
 }  // namespace radixgen::records

@@ -10,7 +10,11 @@ kernel's layout (``interleave``: rows in blocks of 16, one record per block and 
 activations rounded to 16-bit integers per group of 32 and multiplied with the weights by integer
 multiply-adds, so W is read at 0.625 (4-bit) or 1.0625 (8-bit) bytes per weight, in one pass
 for up to 12 tokens, and no float copy is made. One path at every step size keeps a token's
-result independent of the step it runs in (decode, extend, prefill).
+result independent of the step it runs in (decode, extend, prefill). Where kernel tuning
+measured it faster for steps of many tokens, those steps decode the records into a float tile
+(``set_tiles``: a scratch buffer of at most ``TILE_BYTES`` reused by every linear) and run one
+matrix product on it: the decoding costs the same whatever the tokens, the product runs on
+oneDNN (AMX tiles where the CPU has them), so no dense copy of the weights is kept.
 Elsewhere (or without the native ops) ``torch.ops.radixgen.quant_linear`` dequantizes and runs
 ``F.linear`` (``kernels/ops.py``).
 """
@@ -26,6 +30,26 @@ from radixgen.kernels import ops, quant_layout  # noqa: F401  # ops: defines tor
 from radixgen.models.layers import Linear
 
 GROUP = quant_layout.GROUP
+
+TILE_BYTES = 32 << 20
+"""The most a decoded tile holds; a larger weight is decoded and multiplied in runs of rows."""
+
+
+class _TileScratch:
+    """One buffer per dtype that every linear decodes its tiles into, grown on demand: steps run
+    one linear at a time on one thread, and each product is done before the next decode."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def tile(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        buffer = self._buffers.get(dtype)
+        if buffer is None or buffer.numel() < rows * cols:
+            buffer = self._buffers[dtype] = torch.empty(rows * cols, dtype=dtype)
+        return buffer[: rows * cols].view(rows, cols)
+
+
+_scratch = _TileScratch()
 
 
 @dataclass
@@ -163,6 +187,16 @@ class QuantizedLinear(nn.Module):
         the machine measured a GEMM over it faster (``add_dense``); None: every step runs on the
         blocks."""
         self.dense_min_tokens = 0
+        self.tile_min_tokens = 0
+        """Steps of at least this many tokens run on decoded tiles (``set_tiles``); 0: never."""
+        self.tile_dtype = torch.float32
+
+    def set_tiles(self, min_tokens: int, dtype: torch.dtype) -> None:
+        """Run steps of at least ``min_tokens`` tokens (0: none) as a product on tiles of the
+        weight decoded into ``dtype`` (float32 or bfloat16; the activations are cast to it)."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"tiles are float32 or bfloat16, not {dtype}")
+        self.tile_min_tokens, self.tile_dtype = min_tokens, dtype
 
     def segments(self) -> list[tuple[torch.Tensor, int, int]]:
         """(records, bits, rows) of each record array, in output order."""
@@ -208,11 +242,37 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] >= self.dense_min_tokens:
             return self.dense(x)
+        if self.tile_min_tokens and x.shape[0] >= self.tile_min_tokens and x.device.type == "cpu":
+            return self._on_tiles(x)
         if len(self.widths) == 1:
             y = torch.ops.radixgen.quant_linear.default(x, self.packed, self.out_features, self.bits)
         else:
             y = torch.cat([torch.ops.radixgen.quant_linear.default(x, records, rows, bits)
                            for records, bits, rows in self.segments()], dim=-1)
+        return y if self.bias is None else y + self.bias
+
+    def _on_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, block_rows = self.tile_dtype, quant_layout.BLOCK_ROWS
+        xt = x.to(dtype)
+        runs = [(records, bits, begin, min(records.shape[0], begin + step), rows)
+                for records, bits, rows in self.segments()
+                for step in [max(1, TILE_BYTES // (self.in_features * block_rows * dtype.itemsize))]
+                for begin in range(0, records.shape[0], step)]
+        # one run: its product is the output; several: each product goes into its columns at once,
+        # so at most one run's product is held beside the output
+        y = None if len(runs) == 1 else torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        column = 0
+        for records, bits, begin, end, rows in runs:
+            tile = _scratch.tile(self.in_features, (end - begin) * block_rows, dtype)
+            torch.ops.radixgen.dequantize_records.default(records, bits, begin, end, tile)
+            valid = min(rows, end * block_rows) - begin * block_rows
+            product = xt @ tile[:, :valid]
+            if y is None:
+                y = product.to(x.dtype)
+            else:
+                y[:, column : column + valid] = product
+            column += valid
+        assert y is not None
         return y if self.bias is None else y + self.bias
 
     def pack(self, keep_plain: bool = True) -> None:

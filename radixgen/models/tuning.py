@@ -132,16 +132,22 @@ class KernelChoices:
             tokens = size
         return tokens
 
-    def dense_min_tokens(self) -> int | None:
-        """The smallest timed step size from which a dense copy of the quantized weights won at
-        every larger timed size too; None: the blocks at every size."""
+    def quant_large_steps(self) -> tuple[str, int] | None:
+        """How a quantized model's large steps run: (the implementation chosen at the largest
+        timed step size, ``dense`` or ``tiles_<dtype>``; the smallest timed size from which it won
+        at every larger one), or None where the blocks won at the largest size."""
         sizes = sorted(int(c.op.split("_")[2]) for c in self.choices if c.op.startswith("quant_linear_"))
-        dense_from = None
-        for size in reversed(sizes):
-            if self.chosen(f"quant_linear_{size}_tokens", "") != "dense":
+        if not sizes:
+            return None
+        winner = self.chosen(f"quant_linear_{sizes[-1]}_tokens", "blocks")
+        if winner == "blocks":
+            return None
+        from_tokens = sizes[-1]
+        for size in reversed(sizes[:-1]):
+            if self.chosen(f"quant_linear_{size}_tokens", "") != winner:
                 break
-            dense_from = size
-        return dense_from
+            from_tokens = size
+        return winner, from_tokens
 
     def summary(self) -> dict[str, str]:
         return {c.op: c.chosen for c in self.choices}
@@ -283,9 +289,9 @@ def _choose_small_linear(model: CausalLM, kernels: CpuKernels | None, tokens: in
     return choose(f"linear_{tokens}_token", implementations, time_ms)
 
 
-QUANT_STEP_SIZES = (32, 128)
-"""Step sizes (tokens) at which a quantized model's linears are timed on the blocks against a
-dense copy: a decode batch of 32, a prefill chunk."""
+QUANT_STEP_SIZES = (32, 64, 128)
+"""Step sizes (tokens) at which a quantized model's linears are timed on the blocks against tiles
+decoded per step and a dense copy: decode batches of 32 and 64, a prefill chunk."""
 _QUANT_TIMED_LAYERS = 4
 """Layers timed (with the LM head): at these sizes the step is compute-bound, so a few layers
 rank the implementations as the whole model would."""
@@ -305,27 +311,37 @@ in float32 for a 0.5B) would hold the file's weights several times over, whateve
 timing it (a 150k-row head's dense copy among them) set the start's peak memory."""
 
 
-def _choose_quant_linear(model: CausalLM, dtype: torch.dtype, tokens: int) -> OpChoice | None:
-    every = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    if sum(m.out_features * m.in_features for m in every) * dtype.itemsize > _DENSE_COPY_MAX_BYTES:
-        return None  # not timed: the blocks serve every step
+def _choose_quant_linear(model: CausalLM, dtype: torch.dtype, tokens: int, kernels: CpuKernels | None) -> OpChoice | None:
+    """The blocks, tiles decoded per step (bfloat16, and float32 for a float32 model), or a dense
+    copy where one is small enough to keep."""
     linears = _quantized_linears(model)
     if not linears:
         return None
+    every = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    no_kernels = None if kernels is not None else "the native kernels are not built on this machine"
+    implementations = [Implementation("blocks"), Implementation("tiles_bfloat16", no_kernels)]
+    if dtype == torch.float32:
+        implementations.append(Implementation("tiles_float32", no_kernels))
+    too_large = sum(m.out_features * m.in_features for m in every) * dtype.itemsize > _DENSE_COPY_MAX_BYTES
+    implementations.append(Implementation("dense", "a dense copy of every linear would pass "
+                                                   f"{_DENSE_COPY_MAX_BYTES >> 20} MiB" if too_large else None))
     inputs = [torch.randn(tokens, m.in_features).to(dtype) for m in linears]
 
     def time_ms(name: str) -> float:
         try:
-            if name == "dense":
-                for m in linears:
+            for m in linears:
+                if name == "dense":
                     m.add_dense(dtype, 1)
+                elif name.startswith("tiles_"):
+                    m.set_tiles(1, getattr(torch, name.removeprefix("tiles_")))
             return _timed_ms(lambda: [m(x) for m, x in zip(linears, inputs, strict=True)], repeats=3)
         finally:
             for m in linears:
                 m.drop_dense()
+                m.set_tiles(0, torch.float32)
             release_freed_memory()  # malloc keeps freed memory otherwise (host_memory.py)
 
-    return choose(f"quant_linear_{tokens}_tokens", [Implementation("blocks"), Implementation("dense")], time_ms)
+    return choose(f"quant_linear_{tokens}_tokens", implementations, time_ms)
 
 
 def _cache_key(features: CpuFeatures, model: CausalLM, dtype: torch.dtype, threads: int,
@@ -357,7 +373,7 @@ def measure(model: CausalLM, dtype: torch.dtype, kernels: CpuKernels | None, fea
             if choice is not None:
                 choices.append(choice)
         for tokens in QUANT_STEP_SIZES:
-            choice = _choose_quant_linear(model, dtype, tokens)
+            choice = _choose_quant_linear(model, dtype, tokens, kernels)
             if choice is not None:
                 choices.append(choice)
     return KernelChoices(features.label(), choices)

@@ -174,3 +174,47 @@ def test_a_block_type_without_a_kernel_is_held_as_8_bits_with_a_warning_and_an_u
     assert (np.abs(held.dequantize().numpy() - expected) <= step).all()
     with pytest.raises(ValueError, match=r"blk.0.ffn_gate.weight.*Q8_K.*supported: Q4_0"):
         GGUFTensor(file, file.tensors["blk.0.ffn_gate.weight"]).quantized(4)
+
+
+@pytest.mark.parametrize("kind", list(RECORD_BITS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_records_decode_into_a_transposed_tile_of_exactly_their_values(kernels: Any, kind: str, dtype: torch.dtype) -> None:
+    """Blocks 1..2 of a 37-row weight (the second one padded) into a wider tile: the tile's columns
+    are the rows' values (rounded to the tile's dtype as a cast rounds), and nothing past them is written."""
+    raw, _ = random_blocks(kind, 37, 512, seed=3)
+    weight = _records(kernels, kind, raw, 512)
+    values = quant_layout.dequantize_records(weight.records, weight.bits)  # [48, 512], padding rows zero
+    tile = torch.full((512, 40), 7.0, dtype=dtype)
+    kernels.dequantize_records(weight.records, weight.bits, 1, 3, tile)
+    assert torch.equal(tile[:, :32], values[16:48].T.to(dtype))
+    assert (tile[:, 32:] == 7).all()
+    with pytest.raises(RuntimeError, match="block range"):
+        kernels.dequantize_records(weight.records, weight.bits, 2, 4, tile)
+
+
+def test_a_linear_on_decoded_tiles_equals_the_dequantized_linear_and_splits_a_large_weight(
+    kernels: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Mixed widths, a bias, and tiles smaller than the weight (runs of rows): float32 tiles agree
+    with the float linear to float32 rounding, bfloat16 ones to bfloat16's; small steps stay on the blocks."""
+    from radixgen.models import quantized
+
+    layout = [("Q4_K", 40), ("Q6_K", 24), ("Q8_0", 5)]
+    parts = [random_blocks(kind, rows, 512, seed=i) for i, (kind, rows) in enumerate(layout)]
+    bias = torch.randn(69)
+    linear = QuantizedLinear([_records(kernels, kind, raw, 512) for (kind, _), (raw, _) in zip(layout, parts, strict=True)],
+                             bias)
+    expected = linear.dequantize()
+    x = torch.randn(20, 512, generator=torch.Generator().manual_seed(0))
+    reference = x @ expected.T + bias
+    small = x[:3]
+    on_blocks = linear(small)
+    monkeypatch.setattr(quantized, "TILE_BYTES", 512 * 16 * 4)  # one block of 16 rows per tile
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        linear.set_tiles(8, dtype)
+        got = linear(x)
+        assert got.dtype == torch.float32 and got.shape == (20, 69)
+        assert ((got - reference).abs().max() / reference.abs().max()) < tolerance
+        assert torch.equal(linear(small), on_blocks), "a step below the threshold runs on the blocks"
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        linear.set_tiles(8, torch.float16)

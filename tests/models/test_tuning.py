@@ -175,16 +175,17 @@ def test_radixgen_tune_prints_and_caches_the_choices(
     assert len(list(tuning_cache.glob("*.json"))) == 1
 
 
-def test_dense_copies_serve_from_the_smallest_size_that_won_at_every_larger_one() -> None:
-    def choices(at_32: str, at_128: str) -> KernelChoices:
-        return KernelChoices("cpu", [OpChoice("quant_linear_32_tokens", at_32),
-                                     OpChoice("quant_linear_128_tokens", at_128)])
+def test_large_steps_run_from_the_smallest_size_where_the_largest_sizes_winner_won_throughout() -> None:
+    def choices(*chosen: str) -> KernelChoices:
+        return KernelChoices("cpu", [OpChoice(f"quant_linear_{size}_tokens", name)
+                                     for size, name in zip((32, 64, 128), chosen, strict=True)])
 
-    assert choices("dense", "dense").dense_min_tokens() == 32
-    assert choices("blocks", "dense").dense_min_tokens() == 128
-    assert choices("dense", "blocks").dense_min_tokens() is None
-    assert choices("blocks", "blocks").dense_min_tokens() is None
-    assert KernelChoices("cpu", []).dense_min_tokens() is None  # float weights: nothing timed
+    assert choices("dense", "dense", "dense").quant_large_steps() == ("dense", 32)
+    assert choices("blocks", "tiles_bfloat16", "tiles_bfloat16").quant_large_steps() == ("tiles_bfloat16", 64)
+    assert choices("tiles_bfloat16", "dense", "tiles_bfloat16").quant_large_steps() == ("tiles_bfloat16", 128)
+    assert choices("dense", "dense", "blocks").quant_large_steps() is None
+    assert choices("blocks", "blocks", "blocks").quant_large_steps() is None
+    assert KernelChoices("cpu", []).quant_large_steps() is None  # float weights: nothing timed
 
 
 def test_a_quantized_linear_runs_large_steps_on_its_dense_copy_and_small_ones_on_its_blocks(
@@ -223,7 +224,7 @@ def test_quantized_weights_are_timed_against_a_dense_copy_and_the_engine_says_wh
     [entry] = tuning_cache.glob("*.json")
     data = json.loads(entry.read_text())
     timed = [c for c in data["choices"] if c["op"].startswith("quant_linear_")]
-    assert all(set(c["times_ms"]) == {"blocks", "dense"} for c in timed)
+    assert all(set(c["times_ms"]) == {"blocks", "tiles_bfloat16", "tiles_float32", "dense"} for c in timed)
     for choice in timed:  # as if the dense copy had won from 32 tokens on
         choice["chosen"] = "dense"
     entry.write_text(json.dumps(data))
@@ -232,3 +233,19 @@ def test_quantized_weights_are_timed_against_a_dense_copy_and_the_engine_says_wh
         assert quantized and all(m.dense is not None and m.dense_min_tokens == 32 for m in quantized)
         assert "steps of 32+ tokens on a dense float32 copy" in engine.info()["weights"]
         assert engine.generate(list(range(5, 45)), params).completion_tokens == 4  # a 40-token prefill, dense
+    for choice in timed:  # as if float32 tiles had won from 64 tokens on
+        choice["chosen"] = "blocks" if choice["op"] == "quant_linear_32_tokens" else "tiles_float32"
+    entry.write_text(json.dumps(data))
+    scored = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprob_start=1)
+    long_prompt = list(range(5, 85))  # an 80-token prefill: on the tiles
+    with Engine(config) as engine:
+        quantized = [m for m in engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+        assert quantized and all(m.dense is None and m.tile_min_tokens == 64 for m in quantized)
+        assert "steps of 64+ tokens on float32 tiles decoded per step" in engine.info()["weights"]
+        on_tiles = engine.generate(long_prompt, scored).prompt_logprobs
+        for m in quantized:
+            m.set_tiles(0, torch.float32)
+        on_blocks = engine.generate(long_prompt, scored).prompt_logprobs
+    assert on_tiles is not None and on_blocks is not None and len(on_tiles) == len(on_blocks) == 79
+    assert on_tiles != on_blocks, "the tiles ran (their products round apart from the blocks')"
+    assert max(abs(a - b) for a, b in zip(on_tiles, on_blocks, strict=True)) < 1e-2
