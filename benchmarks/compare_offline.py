@@ -44,7 +44,13 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import print_table, prompts_of_lengths, trees_to_measure, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    print_table,
+    prompts_of_lengths,
+    trees_to_measure,
+    vllm_cpu_env,
+    write_json,
+)
 from radixgen.models.loader import resolve_model_dir  # noqa: E402
 from radixgen.paths import cache_dir  # noqa: E402
 
@@ -221,11 +227,10 @@ def _run_vllm(args: argparse.Namespace, with_vllm: bool, vllm_python: Path, mode
               theirs: dict[tuple[str, bool], dict[str, Any]]) -> None:
     if not with_vllm:
         return
-    cores = f"0-{len(os.sched_getaffinity(0)) - 1}"
     try:
         _keep_fastest(theirs, run(
             [str(vllm_python), str(Path(__file__).parent / "peers" / "vllm_offline.py"), cases_path,
-             "--model", str(model_dir), "--dtype", args.dtype], env={"VLLM_CPU_OMP_THREADS_BIND": cores}))
+             "--model", str(model_dir), "--dtype", args.dtype], env=vllm_cpu_env(vllm_python.parent.parent)))
     except RuntimeError as e:  # radixgen's rows are still worth printing
         print(e)
 

