@@ -334,6 +334,14 @@ def _penalize(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Ten
     return logits - frequency * counts - presence * seen
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest index (int64), as ``logits.argmax(dim=-1)``. On CPU through numpy,
+    whose argmax is vectorised: torch's took ~4 ms for 64 x 49k float32 logits, numpy's 0.8."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous():
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, num_rows: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
@@ -349,7 +357,7 @@ class Sampler:
         batch.mask_early_stops(logits)
         if bitmask is not None:
             apply_bitmask(logits, bitmask)
-        token_ids = logits.argmax(dim=-1)
+        token_ids = argmax_rows(logits)
         if not batch.is_greedy.all():
             idx = batch.sampled_rows
             token_ids[idx] = sample_rows(logits[idx], batch, idx, batch.counters[idx])

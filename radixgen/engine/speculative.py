@@ -39,7 +39,13 @@ from radixgen.engine.constrained import forced_token_ids, walk_masks
 from radixgen.engine.ngram import DraftState, NgramIndex
 from radixgen.engine.plan import StepKind, StepPlan
 from radixgen.engine.request import Request
-from radixgen.engine.sampler import PenaltyState, SamplingBatch, logprob_parts, sample_rows
+from radixgen.engine.sampler import (
+    PenaltyState,
+    SamplingBatch,
+    argmax_rows,
+    logprob_parts,
+    sample_rows,
+)
 from radixgen.staging import ReadBack, upload
 
 # After this many drafted tokens, a request whose drafts were accepted less often than they
@@ -265,7 +271,7 @@ def verify(plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch, penalties
     rows = plan.batch_size
     extra = logits[rows:]
     checks: list[_RowCheck] = []
-    device_parts: list[torch.Tensor | None] = [logits[:rows].argmax(dim=-1), extra.argmax(dim=-1)]
+    device_parts: list[torch.Tensor | None] = [argmax_rows(logits[:rows]), argmax_rows(extra)]
     row = 0
     for i, k in enumerate(plan.draft_lens.tolist()):
         if not k:

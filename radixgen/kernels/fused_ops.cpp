@@ -15,6 +15,8 @@
 
 #include "common.h"
 
+#include <type_traits>
+
 namespace {
 
 using radixgen::exp_approx;
@@ -157,7 +159,47 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& positions, con
   return q;
 }
 
-// gate_up [T, 2I] -> silu(gate) * up [T, I]
+#ifdef RADIXGEN_BF16_DOT
+// 16 lanes of scalar_t as floats, and back (rounded to nearest even, as a cast rounds).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  return radixgen::widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m256i narrow16(const c10::BFloat16*, __m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+inline __m256i narrow16(const c10::Half*, __m512 v) { return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+template <typename T>
+inline void store16(T* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow16(p, v)); }
+// v rounded to T's precision and widened again (float: v itself)
+inline __m512 rounded16(const float*, __m512 v) { return v; }
+inline __m512 rounded16(const c10::BFloat16* p, __m512 v) { return radixgen::widen_bf16(narrow16(p, v)); }
+inline __m512 rounded16(const c10::Half* p, __m512 v) { return _mm512_cvtph_ps(narrow16(p, v)); }
+#endif
+
+// gate_up [T, 2I] -> silu(gate) * up [T, I], silu rounded to the dtype before the product (as
+// the PyTorch definition materialises it). 16 lanes at a time where the CPU has AVX-512 BF16:
+// the scalar loop did not vectorise (4x slower than PyTorch's at 64 rows).
+template <typename scalar_t>
+void silu_mul_row(const scalar_t* __restrict gate, const scalar_t* __restrict up, scalar_t* __restrict o, int64_t inter) {
+  int64_t i = 0;
+#ifdef RADIXGEN_BF16_DOT
+  if constexpr (!std::is_same_v<scalar_t, double>) {
+    for (; i + 16 <= inter; i += 16) {
+      const __m512 g = load16(gate + i);
+      const __m512 e = radixgen::exp_vec(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      const __m512 silu = rounded16(o, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+      store16(o + i, _mm512_mul_ps(silu, load16(up + i)));
+    }
+  }
+#endif
+  for (; i < inter; ++i) {
+    const float g = to_float(gate[i]);
+    const scalar_t silu = static_cast<scalar_t>(g / (1.f + exp_approx(-g)));
+    o[i] = static_cast<scalar_t>(to_float(silu) * to_float(up[i]));
+  }
+}
+
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.device().is_cpu(), "CPU kernel");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1,
@@ -169,16 +211,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     scalar_t* dst = out.data_ptr<scalar_t>();
     const int64_t stride = gate_up.stride(0);
     at::parallel_for(0, num_tokens, row_grain(inter), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const scalar_t* gate = src + t * stride;
-        const scalar_t* up = gate + inter;
-        scalar_t* o = dst + t * inter;
-        for (int64_t i = 0; i < inter; ++i) {
-          const float g = to_float(gate[i]);
-          const scalar_t silu = static_cast<scalar_t>(g / (1.f + exp_approx(-g)));
-          o[i] = static_cast<scalar_t>(to_float(silu) * to_float(up[i]));
-        }
-      }
+      for (int64_t t = begin; t < end; ++t) silu_mul_row(src + t * stride, src + t * stride + inter, dst + t * inter, inter);
     });
   });
   return out;
