@@ -78,8 +78,10 @@ class Linear(nn.Module):
             rows = x.shape[0]
             padded = padded_rows(rows) if x.dim() == 2 else rows
             if padded != rows:
-                x = nn.functional.pad(x, (0, 0, 0, padded - rows))
-                return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")[:rows]
+                # the extra rows are never read back, so they are left unset (half F.pad's copy)
+                grown = x.new_empty(padded, x.shape[1])
+                grown[:rows] = x
+                return torch.ops.mkldnn._linear_pointwise(grown, self._packed, self.bias, "none", [], "")[:rows]
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return nn.functional.linear(x, self.weight, self.bias)
 
