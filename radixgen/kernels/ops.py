@@ -1,7 +1,7 @@
 """A layer's fused steps as PyTorch operators, so the model has one forward on every device.
 
 ``torch.ops.radixgen.{rms_norm, add_rms_norm, rope_store_kv, silu_mul, small_linear,
-quant_linear}`` are defined here. Each has three implementations, picked by PyTorch's dispatcher
+quant_linear, argmax_rows}`` are defined here. Each has three implementations, picked by PyTorch's dispatcher
 from the tensors' device: the C++ kernel for CPU (``fused_ops.cpp`` and the others register it
 when the extension loads), a Triton kernel for CUDA (``triton_ops.py``; ``small_linear`` and
 ``quant_linear`` run the PyTorch code there), and the PyTorch code (``reference.py``) as the fallback for
@@ -33,6 +33,7 @@ SCHEMAS = {
     "silu_mul": "silu_mul(Tensor gate_up) -> Tensor",
     "small_linear": "small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
     "quant_linear": "quant_linear(Tensor x, Tensor packed, int out_features, int bits) -> Tensor",
+    "argmax_rows": "argmax_rows(Tensor logits) -> Tensor",
 }
 
 
@@ -57,8 +58,13 @@ def _fake_quant_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+def _fake_argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    return logits.new_empty(logits.shape[0], dtype=torch.int64)
+
+
 _FAKES: dict[str, Callable[..., torch.Tensor]] = {"rms_norm": _fake_rows, "add_rms_norm": _fake_rows, "rope_store_kv": _fake_rope,
-          "silu_mul": _fake_silu_mul, "small_linear": _fake_small_linear, "quant_linear": _fake_quant_linear}
+          "silu_mul": _fake_silu_mul, "small_linear": _fake_small_linear, "quant_linear": _fake_quant_linear,
+          "argmax_rows": _fake_argmax_rows}
 
 
 def _cuda(name: str) -> Any:

@@ -63,5 +63,11 @@ def quant_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bits:
     return F.linear(x, quant_layout.dequantize_packed(packed, out_features, bits, x.dtype))
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] float32 -> [B] int64: each row's first largest index (a NaN counts as largest)."""
+    return logits.argmax(dim=-1)
+
+
 REFERENCE = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope_store_kv": rope_store_kv,
-             "silu_mul": silu_mul, "small_linear": small_linear, "quant_linear": quant_linear}
+             "silu_mul": silu_mul, "small_linear": small_linear, "quant_linear": quant_linear,
+             "argmax_rows": argmax_rows}

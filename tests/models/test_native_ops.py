@@ -274,3 +274,23 @@ def test_engine_without_the_small_batch_path_frees_plain_weights_and_agrees(make
     assert default.runner.model.decoder_layers()[0].attn.qkv.weight.numel() > 0
     prompt = "The radix tree"
     assert default.generate([prompt], params)[0].token_ids == without.generate([prompt], params)[0].token_ids
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 1000, 49152])
+def test_argmax_rows_takes_the_first_largest_and_a_nan_as_largest_like_torch(kernels, vocab) -> None:
+    """Ties in one vector lane and across lanes, all -inf, NaNs at the start, in the middle and in
+    the tail that the vector loop does not cover, a strided input."""
+    logits = torch.randn(9, vocab, generator=torch.Generator().manual_seed(vocab))
+    last = vocab - 1
+    logits[0, min(5, last)] = logits[0, last] = 50.0
+    logits[1] = float("-inf")
+    logits[2, min(37, last)] = logits[2, min(3, last)] = float("nan")
+    logits[3, last] = float("nan")
+    logits[4, 0] = float("nan")
+    logits[5, min(16, last)] = logits[5, min(32, last)] = 1e9
+    logits[6, min(17, last)] = logits[6, min(16, last)] = 1e9
+    logits[7, max(0, last - 1)] = 1e9
+    got = torch.ops.radixgen.argmax_rows(logits)
+    assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))
+    strided = torch.randn(4, 2 * vocab)[:, ::2]
+    assert torch.equal(torch.ops.radixgen.argmax_rows(strided), strided.argmax(dim=-1))
