@@ -21,6 +21,7 @@ Elsewhere (or without the native ops) ``torch.ops.radixgen.quant_linear`` dequan
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +36,10 @@ TILE_BYTES = 32 << 20
 """The most a decoded tile holds; a larger weight is decoded and multiplied in runs of rows."""
 
 
-class _TileScratch:
-    """One buffer per dtype that every linear decodes its tiles into, grown on demand: steps run
-    one linear at a time on one thread, and each product is done before the next decode."""
+class _TileScratch(threading.local):
+    """Per thread, one buffer per dtype that every linear decodes its tiles into, grown on demand:
+    a thread runs one linear at a time, and each product is done before the next decode (two
+    engines in one process step on threads of their own)."""
 
     def __init__(self) -> None:
         self._buffers: dict[torch.dtype, torch.Tensor] = {}

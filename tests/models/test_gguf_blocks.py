@@ -218,3 +218,19 @@ def test_a_linear_on_decoded_tiles_equals_the_dequantized_linear_and_splits_a_la
         assert torch.equal(linear(small), on_blocks), "a step below the threshold runs on the blocks"
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         linear.set_tiles(8, torch.float16)
+
+
+def test_each_thread_decodes_into_a_tile_buffer_of_its_own() -> None:
+    """Two engines in one process step on two threads: their tiles must not share memory."""
+    import threading
+
+    from radixgen.models import quantized
+
+    tiles: list[torch.Tensor] = []  # held, so no buffer is freed and its address reused
+    threads = [threading.Thread(target=lambda: tiles.append(quantized._scratch.tile(64, 32, torch.float32)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+        t.join()
+    tiles.append(quantized._scratch.tile(64, 32, torch.float32))
+    assert len({tile.data_ptr() for tile in tiles}) == 3
