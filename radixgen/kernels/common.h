@@ -9,9 +9,12 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 // AVX-512 BF16's dot product of bf16 pairs (vdpbf16ps): the attention kernels' fast paths.
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
 #define RADIXGEN_BF16_DOT 1
 #endif
 
@@ -50,6 +53,40 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
+#if defined(__AVX512F__)
+// 16 bf16 values -> 16 floats (exact).
+inline __m512 widen_bf16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// 16 floats -> 16 bf16 values, rounded to nearest even, as a cast rounds (finite values; without
+// AVX-512 BF16 by integer arithmetic on the bits).
+inline __m256i narrow_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+}
+
+// 16 lanes of a float / bf16 / fp16 array as floats, and back (rounded to nearest even).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) { return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m256i narrow16(const c10::BFloat16*, __m512 v) { return narrow_bf16(v); }
+inline __m256i narrow16(const c10::Half*, __m512 v) { return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow16(p, v)); }
+inline void store16(c10::Half* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow16(p, v)); }
+// v rounded to the array type's precision and widened again (float: v itself)
+inline __m512 rounded16(const float*, __m512 v) { return v; }
+inline __m512 rounded16(const c10::BFloat16* p, __m512 v) { return widen_bf16(narrow16(p, v)); }
+inline __m512 rounded16(const c10::Half* p, __m512 v) { return _mm512_cvtph_ps(narrow16(p, v)); }
+#endif
+
 // exp_approx's arithmetic on 16 lanes; scalef builds the 2^n.
 #ifdef RADIXGEN_BF16_DOT
 inline __m512 exp_vec(__m512 x) {
@@ -67,11 +104,6 @@ inline __m512 exp_vec(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
-}
-
-// 16 bf16 values -> 16 floats (exact).
-inline __m512 widen_bf16(__m256i bits) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
 // unpacklo/hi_epi16 of two rows of 32 bf16 interleave them within 128-bit lanes: lane k of lo

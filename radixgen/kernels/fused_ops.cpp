@@ -159,24 +159,6 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& positions, con
   return q;
 }
 
-#ifdef RADIXGEN_BF16_DOT
-// 16 lanes of scalar_t as floats, and back (rounded to nearest even, as a cast rounds).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  return radixgen::widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline __m256i narrow16(const c10::BFloat16*, __m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-inline __m256i narrow16(const c10::Half*, __m512 v) { return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-template <typename T>
-inline void store16(T* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow16(p, v)); }
-// v rounded to T's precision and widened again (float: v itself)
-inline __m512 rounded16(const float*, __m512 v) { return v; }
-inline __m512 rounded16(const c10::BFloat16* p, __m512 v) { return radixgen::widen_bf16(narrow16(p, v)); }
-inline __m512 rounded16(const c10::Half* p, __m512 v) { return _mm512_cvtph_ps(narrow16(p, v)); }
-#endif
-
 // gate_up [T, 2I] -> silu(gate) * up [T, I], silu rounded to the dtype before the product (as
 // the PyTorch definition materialises it). 16 lanes at a time where the CPU has AVX-512 BF16:
 // the scalar loop did not vectorise (4x slower than PyTorch's at 64 rows).
@@ -186,10 +168,10 @@ void silu_mul_row(const scalar_t* __restrict gate, const scalar_t* __restrict up
 #ifdef RADIXGEN_BF16_DOT
   if constexpr (!std::is_same_v<scalar_t, double>) {
     for (; i + 16 <= inter; i += 16) {
-      const __m512 g = load16(gate + i);
+      const __m512 g = radixgen::load16(gate + i);
       const __m512 e = radixgen::exp_vec(_mm512_sub_ps(_mm512_setzero_ps(), g));
-      const __m512 silu = rounded16(o, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-      store16(o + i, _mm512_mul_ps(silu, load16(up + i)));
+      const __m512 silu = radixgen::rounded16(o, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+      radixgen::store16(o + i, _mm512_mul_ps(silu, radixgen::load16(up + i)));
     }
   }
 #endif
@@ -236,13 +218,13 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
       int64_t at = 0;
       int64_t i = 0;
 #ifdef RADIXGEN_BF16_DOT
-      if (vocab >= 16) {
+      if (vocab >= 16 && vocab <= INT32_MAX) {  // positions in 32-bit lanes
         __m512 lane_best = _mm512_loadu_ps(row);
         __m512i lane_at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         __m512i index = lane_at;
         const __m512i step = _mm512_set1_epi32(16);
         bool has_nan = _mm512_cmp_ps_mask(lane_best, lane_best, _CMP_UNORD_Q) != 0;
-        for (i = 16; i + 16 <= vocab && vocab <= INT32_MAX; i += 16) {
+        for (i = 16; i + 16 <= vocab; i += 16) {
           index = _mm512_add_epi32(index, step);
           const __m512 v = _mm512_loadu_ps(row + i);
           has_nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
@@ -272,7 +254,6 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
         }
         if (v > best) best = v, at = i;
       }
-      if (std::isnan(row[0])) at = 0;
       dst[b] = at;
     }
   });

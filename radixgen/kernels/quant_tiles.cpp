@@ -14,31 +14,12 @@
 #include "common.h"
 #include "quant_records.h"
 
-#include <type_traits>
-
 namespace {
 
 using namespace radixgen::records;
 using radixgen::to_float;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-
-// 16 floats to 16 bfloat16 bits, rounded to nearest even (finite values: weights are).
-inline __m256i to_bf16_bits(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
-template <typename T>
-inline void store16(T* dst, __m512 v) {
-  if constexpr (std::is_same_v<T, float>) {
-    _mm512_storeu_ps(dst, v);
-  } else {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), to_bf16_bits(v));
-  }
-}
 
 // One pair chunk (32 int16 lanes, lane 2r + j: element e + j of row r) into tile rows e, e + 1.
 template <typename T>
@@ -50,7 +31,7 @@ inline void store_pair(__m512i lanes, __m512 scale, __m512 min, bool with_min, T
   for (int j = 0; j < 2; ++j) {
     const __m256i half = j == 0 ? _mm512_castsi512_si256(parted) : _mm512_extracti64x4_epi64(parted, 1);
     const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(half));
-    store16(row_e + j * ld, with_min ? _mm512_fmadd_ps(q, scale, min) : _mm512_mul_ps(q, scale));
+    radixgen::store16(row_e + j * ld, with_min ? _mm512_fmadd_ps(q, scale, min) : _mm512_mul_ps(q, scale));
   }
 }
 

@@ -256,10 +256,10 @@ class QuantizedLinear(nn.Module):
     def _on_tiles(self, x: torch.Tensor) -> torch.Tensor:
         dtype, block_rows = self.tile_dtype, quant_layout.BLOCK_ROWS
         xt = x.to(dtype)
-        runs = [(records, bits, begin, min(records.shape[0], begin + step), rows)
+        blocks_per_tile = max(1, TILE_BYTES // (self.in_features * block_rows * dtype.itemsize))
+        runs = [(records, bits, begin, min(records.shape[0], begin + blocks_per_tile), rows)
                 for records, bits, rows in self.segments()
-                for step in [max(1, TILE_BYTES // (self.in_features * block_rows * dtype.itemsize))]
-                for begin in range(0, records.shape[0], step)]
+                for begin in range(0, records.shape[0], blocks_per_tile)]
         # one run: its product is the output; several: each product goes into its columns at once,
         # so at most one run's product is held beside the output
         y = None if len(runs) == 1 else torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
