@@ -20,6 +20,12 @@ class Rollback:
     keep: int
     ban_at: int
     reason: str
+    replacement: str | None = None
+    """Written in place of the rolled-back value, from the kept tokens' end: a valid value the
+    validators' search found (``Validation.search_number``)."""
+    ends_output: bool = False
+    """The replaced value is the whole output (a bare root number): once written, the output
+    ends there instead of letting the model add digits to it."""
 
 
 @dataclass(frozen=True)
@@ -48,9 +54,6 @@ class ConstraintState:
     bans: dict[int, set[int]] = field(default_factory=dict)
     """Output position -> tokens a validator rejected there (masked out when resampling)."""
     pending_rollback: Rollback | None = None
-    replacement_text: str | None = None
-    """Written in place of the rolled-back value: a valid value the validators' search found
-    (``Validation.search_number``), from the kept tokens' end."""
     num_rollbacks: int = 0
     dead_end: str | None = None
     """Why the automaton (with the validators' bans) allowed no token at this step, if it did not."""

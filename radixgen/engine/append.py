@@ -254,8 +254,7 @@ class TokenAppender:
         assert state is not None
         ban_char = rejection.start + (1 if rejection.is_string else 0)
         keep = self._token_at(state, rejection.start)
-        state.pending_rollback = Rollback(keep, self._token_at(state, ban_char), rejection.reason)
-        state.replacement_text = None
+        replacement = None
         detok = self.detokenizers.get(req.request_id)
         if rejection.replacement is not None and detok is not None:
             # from the kept tokens' end: the value's first token may carry text before it (' 12');
@@ -263,8 +262,16 @@ class TokenAppender:
             text = detok.text
             start = state.token_text_ends[keep - 1] if keep else 0
             ending = text[rejection.end] if 0 <= rejection.end < len(text) else ""
-            state.replacement_text = text[start : rejection.start] + rejection.replacement + ending
+            replacement = text[start : rejection.start] + rejection.replacement + ending
+        state.pending_rollback = Rollback(keep, self._token_at(state, ban_char), rejection.reason, replacement,
+                                          ends_output=not rejection.path)
         return None
+
+    def complete_written(self, req: Request) -> FinishReason | None:
+        """End the output where it stands, if the automaton may end it here (a searched root
+        value just written): STOP once the validators accept it, else None (a rejection leaves
+        its rollback pending)."""
+        return self._complete(req) if self._stop_here(req) else None
 
     def force_text(self, req: Request, text: str) -> bool:
         """Append the tokens of ``text`` as forced (probability 1) through the automaton, the

@@ -349,12 +349,14 @@ class StepApplier:
             self.kv.release(req, cache=True)
         else:  # the cached prefix reaches past the rollback point: keep the tree's copy, drop ours
             self.kv.release(req, cache=False)
-        replacement, state.replacement_text = state.replacement_text, None
+        replacement = rollback.replacement
         if replacement is not None and self.appender.force_text(req, replacement):
-            # the requeued prefill computes the written tokens' KV and samples what follows
             logger.info("%s: wrote %r in place of a value its validators rejected %s", req.request_id, replacement, why)
             self.stats.num_searched_values += 1
             state.searched_values += 1
+            if rollback.ends_output and self.appender.complete_written(req) is FinishReason.STOP:
+                return self.finish(req, FinishReason.STOP)  # its row and slots were given back above
+        # the requeued prefill computes the written tokens' KV and samples what follows
         self.planner.requeue(req)
         self.log.current.rollbacks += 1
         logger.debug("rolled back %s to output token %d: %s", req.request_id, keep, why)

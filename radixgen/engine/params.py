@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixgen.constraints.refusals import unenforceable
 from radixgen.constraints.spec import (
     JSON_OBJECT,
     ConstraintSpec,
@@ -15,7 +16,7 @@ from radixgen.constraints.spec import (
     schema_spec,
 )
 from radixgen.constraints.structural import structural_spec
-from radixgen.errors import InvalidParamsError, PromptTooLongError
+from radixgen.errors import InvalidConstraintError, InvalidParamsError, PromptTooLongError
 
 MAX_TOP_LOGPROBS = 20
 
@@ -113,7 +114,12 @@ class SamplingParams:
         if self.regex is not None:
             return regex_spec(self.regex)
         if self.json_schema is not None:
-            return schema_spec(self.json_schema)
+            spec = schema_spec(self.json_schema)
+            # the grammar compiles (its masks are right), but generation would end in a violation
+            refusal = unenforceable(spec.schema())
+            if refusal is not None:
+                raise InvalidConstraintError(f"cannot generate for this json_schema: {refusal}")
+            return spec
         if self.choices is not None:
             return choices_spec(list(self.choices))
         if self.structural is not None:

@@ -71,3 +71,15 @@ def test_json_nested_past_the_parser_is_a_400_not_a_500(server: LiveServer) -> N
     as_string = httpx.post(server.url + "/generate", timeout=60, json={
         "text": "x", "sampling_params": {"json_schema": '{"not":' * 2000 + "{}" + "}" * 2000, "max_new_tokens": 4}})
     assert as_string.status_code == 400 and "levels" in as_string.json()["error"]["message"]
+
+
+def test_a_schema_whose_requirement_no_backend_enforces_is_a_400_naming_it(server: LiveServer) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "array", "contains": {"const": 3}}}}}
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=60, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "$.contains" in error["message"] and error["type"] == "invalid_request_error"
+    ok = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={**body, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "array", "items": {"const": 3}}}}})
+    assert ok.status_code == 200, "the server goes on serving"

@@ -154,6 +154,18 @@ def test_a_number_the_grammar_cannot_constrain_is_searched_not_resampled_blindly
     assert stats["num_searched_values"] == 1 and stats["num_rollbacks"] == 2
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_searched_root_number_ends_the_output(make_engine: Callable[..., Engine], backend: str) -> None:
+    # a bare root number is followed by nothing: once the searched value is written the output
+    # must end there, or the model appends digits to it ("385" + "2222...")
+    engine = make_engine(grammar_backend=backend)
+    root = CHAINED["properties"]["n"]
+    out = engine.generate("Number:", SamplingParams(max_new_tokens=40, temperature=0, json_schema=root))
+    assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.text, out.error)
+    assert json.loads(out.text) == 385 and out.constraint is not None and out.constraint.valid
+    assert out.constraint.searched_values == 1
+
+
 def test_what_a_lenient_grammar_leaves_out_is_reported(make_engine: Callable[..., Engine]) -> None:
     engine = make_engine(grammar_backend="llguidance")
     out = engine.generate("Number:", SamplingParams(max_new_tokens=40, temperature=0, json_schema=CHAINED))

@@ -1,0 +1,121 @@
+"""Schemas refused before generation because no grammar backend enforces what they require.
+
+Validators repair a value the grammar lets through by rolling it back and resampling, which works
+for a leaf (a number is searched, a string resampled). Some keywords instead require a container
+to hold something the model has no reason to write, and neither xgrammar nor llguidance enforces
+them while generating: an array that must ``contains`` a matching item, an object whose property
+names must include one (``not`` over ``propertyNames``). The finished container is rejected whole,
+every retry writes a similar one, and the request used to end in ``constraint_violation`` after
+spending its retries. Such a schema is refused up front, naming the keyword, where it is and
+what to write instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalItems", "additionalProperties", "not", "contains", "if", "then", "else",
+                  "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+
+
+def unenforceable(schema: Any) -> str | None:
+    """Why generation for ``schema`` is refused up front, or None when it is not."""
+    if not isinstance(schema, dict) or _pinned(schema, schema):
+        return None  # the grammar writes one of the literals: nothing is left to require
+    for where, node in reachable(schema):
+        if "contains" in node:
+            return (f"{where}.contains requires the array to include a matching item, which the grammar "
+                    "backends do not enforce while generating, and a finished array without one cannot be "
+                    "repaired item by item; put the required item in prefixItems, or drop contains")
+        keyword = _existential(schema, node.get("not"))
+        if keyword is not None:
+            return (f"{where}.not over {keyword} requires the object to have a property of a given kind, which "
+                    "the grammar backends do not enforce while generating, and a finished object without one "
+                    "cannot be repaired value by value; list that property in properties and required instead")
+    return None
+
+
+def _existential(root: dict[str, Any], negated: Any, depth: int = 0) -> str | None:
+    """The keyword by which ``not: negated`` asks for a property of some kind to exist: negated
+    ``propertyNames`` (any but ``false``, which only asks for a non-empty object, what a model
+    writes anyway) or ``patternProperties``, directly or in a member of its anyOf / oneOf / allOf."""
+    negated = _deref(root, negated)
+    if not isinstance(negated, dict):
+        return None
+    names = negated.get("propertyNames")
+    if names is not None and names is not False:
+        return "propertyNames"
+    if isinstance(negated.get("patternProperties"), dict):
+        return "patternProperties"
+    for key in ("anyOf", "oneOf", "allOf"):
+        for member in negated.get(key) or [] if depth < 8 else []:
+            found = _existential(root, member, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def _pinned(root: dict[str, Any], node: Any, depth: int = 0) -> bool:
+    """The value is one of listed literals (``const`` / ``enum`` at the root or in a member of its allOf)."""
+    node = _deref(root, node)
+    if not isinstance(node, dict) or depth > 8:  # bounded: allOf may refer back to the root
+        return False
+    return "const" in node or "enum" in node or any(_pinned(root, m, depth + 1) for m in node.get("allOf") or [])
+
+
+def reachable(root: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every schema object a value can be checked against: ``root``, the subschemas in its
+    keyword positions (a property called "contains" is not the keyword) and the local
+    definitions its ``$ref`` keywords lead to (each once; unused definitions are not visited)."""
+    pending: list[tuple[str, Any]] = [("$", root)]
+    followed: set[str] = set()
+    while pending:
+        where, node = pending.pop()
+        for location, sub in _keyword_subschemas(node, where):
+            yield location, sub
+            ref = sub.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#") and ref not in followed:
+                followed.add(ref)
+                pending.append((ref, _resolve(root, ref)))
+
+
+def _keyword_subschemas(node: Any, where: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    stack = [(where, node)]  # iterative: a schema may nest as deep as the spec allows
+    while stack:
+        where, node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        yield where, node
+        found: list[tuple[str, Any]] = []
+        for key in _SCHEMA_MAPS:
+            members = node.get(key)
+            if isinstance(members, dict):
+                found += [(f"{where}.{key}.{name}", sub) for name, sub in members.items()]
+        for key in (*_SCHEMA_LISTS, "items"):  # a list under items: the tuple form of older drafts
+            members = node.get(key)
+            if isinstance(members, list):
+                found += [(f"{where}.{key}[{i}]", sub) for i, sub in enumerate(members)]
+        found += [(f"{where}.{key}", node.get(key)) for key in _SCHEMA_VALUES]
+        stack.extend(reversed(found))
+
+
+def _deref(root: Any, node: Any) -> Any:
+    for _ in range(32):  # bounded: a $ref cycle must not hang
+        ref = node.get("$ref") if isinstance(node, dict) else None
+        if not (isinstance(ref, str) and ref.startswith("#")):
+            return node
+        node = _resolve(root, ref)
+    return None
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    target = root
+    for part in ref[2:].split("/") if ref != "#" else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(target, dict) or part not in target:
+            return None
+        target = target[part]
+    return target

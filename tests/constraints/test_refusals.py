@@ -1,0 +1,46 @@
+"""Schemas whose requirements no grammar backend enforces are refused before generation, by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from radixgen import SamplingParams
+from radixgen.constraints.refusals import unenforceable
+from radixgen.errors import InvalidConstraintError
+
+# an object that must have a property named "0": the negation of "no name is 0"
+SOME_NAME = {"type": "object", "not": {"propertyNames": {"not": {"const": "0"}}}}
+
+
+@pytest.mark.parametrize(("schema", "where", "keyword"), [
+    ({"type": "array", "contains": {"const": 3}}, "$.contains", "contains"),
+    ({"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer"},
+                                              "allOf": [{"contains": {"minimum": 5}}]}}},
+     "$.properties.xs.allOf[0].contains", "contains"),
+    (SOME_NAME, "$.not", "propertyNames"),
+    # reached through a $ref into a folder of definitions the spec does not name
+    ({"type": "object", "allOf": [{"$ref": "#/ddd/npn"}], "ddd": {"npn": SOME_NAME}}, "#/ddd/npn.not", "propertyNames"),
+    # some property matching "a" whose value is not a string
+    ({"type": "object", "not": {"anyOf": [{"patternProperties": {"a": {"type": "string"}}}]}}, "$.not",
+     "patternProperties"),
+])
+def test_requirements_no_backend_enforces_are_refused_naming_the_keyword(schema: Any, where: str, keyword: str) -> None:
+    reason = unenforceable(schema)
+    assert reason is not None and reason.startswith(f"{where}") and keyword in reason
+    with pytest.raises(InvalidConstraintError, match=f"cannot generate for this json_schema: .*{keyword}"):
+        SamplingParams(json_schema=schema)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"contains": {"type": "string"}}},  # a property called "contains"
+    {"type": "object", "$defs": {"unused": {"contains": {"const": 1}}}},  # a definition nothing refers to
+    {"type": "object", "not": {"propertyNames": False}},  # only asks for a non-empty object
+    {"type": "object", "not": {"required": ["a", "b"]}},  # forbids: writing less satisfies it
+    {"allOf": [{"enum": [{"a": 1}]}, {"not": {"patternProperties": {"b": False}}}]},  # the grammar writes the literal
+    {"const": [1, 2], "contains": {"const": 2}},
+])
+def test_what_the_grammar_or_the_model_satisfies_anyway_is_not_refused(schema: Any) -> None:
+    assert unenforceable(schema) is None
+    assert SamplingParams(json_schema=schema).constraint is not None
