@@ -1,6 +1,19 @@
 """A constrained request's state in the engine, owned by constrained decoding: its automaton, its
 validators and the bans and rollback they set, budget steering's view of it, and jump-forward's
-forced tokens awaiting verification. ``Request.constraint`` holds it (None: unconstrained)."""
+forced tokens awaiting verification. ``Request.constraint`` holds it (None: unconstrained).
+
+The flags that carry work from one step to the next change only through the state's methods:
+
+- a validator's rejection: ``request_rollback`` (the appender, as the value completes) ->
+  ``take_rollback`` (the applier, after the step: truncate, ban, maybe write a searched value);
+- jump-forward: ``mark_forced`` (the appender, with the forced tokens appended) -> ``request_extend``
+  -> ``take_extend`` (the applier requeues the request: one prefill computes the forced tokens)
+  -> for greedy output the planner verifies them (``forced_pending``) -> ``record_mismatch``
+  (constrained decoding, where the model would have chosen otherwise) -> ``take_mismatch``
+  (the applier drops the forced tail and keeps the model's token); ``cancel_forced`` where the
+  output ended or rolled back before the verification;
+- ``mark_dead_end``: the mask allowed nothing, so the request ends with the reason.
+"""
 
 from __future__ import annotations
 
@@ -54,6 +67,7 @@ class ConstraintState:
     bans: dict[int, set[int]] = field(default_factory=dict)
     """Output position -> tokens a validator rejected there (masked out when resampling)."""
     pending_rollback: Rollback | None = None
+    """A rejection to apply after this step (``request_rollback`` / ``take_rollback``)."""
     num_rollbacks: int = 0
     dead_end: str | None = None
     """Why the automaton (with the validators' bans) allowed no token at this step, if it did not."""
@@ -72,3 +86,40 @@ class ConstraintState:
     """Times forced tokens were taken back because the model would not have written them."""
     searched_values: int = 0
     """Values the validators' search wrote in place of rejected ones."""
+
+    def request_rollback(self, rollback: Rollback) -> None:
+        self.pending_rollback = rollback
+
+    def take_rollback(self) -> Rollback | None:
+        rollback, self.pending_rollback = self.pending_rollback, None
+        return rollback
+
+    def mark_forced(self, count: int, *, verify: bool) -> None:
+        """Jump-forward appended ``count`` forced tokens; ``verify``: check them against the
+        model's greedy choices in the step that computes them."""
+        self.forced_tokens += count
+        if verify:
+            self.forced_pending = count
+
+    def cancel_forced(self) -> None:
+        """The output ended or rolled back before its forced tokens were verified."""
+        self.forced_pending = 0
+
+    def request_extend(self) -> None:
+        self.pending_extend = True
+
+    def take_extend(self) -> bool:
+        extend, self.pending_extend = self.pending_extend, False
+        return extend
+
+    def record_mismatch(self, mismatch: ForcedMismatch) -> None:
+        self.forced_mismatch = mismatch
+
+    def take_mismatch(self) -> ForcedMismatch | None:
+        """The verification's outcome, once the forced tokens' step is applied: None when the
+        model would have written them all."""
+        mismatch, self.forced_mismatch, self.forced_pending = self.forced_mismatch, None, 0
+        return mismatch
+
+    def mark_dead_end(self, reason: str) -> None:
+        self.dead_end = reason

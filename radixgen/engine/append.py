@@ -92,12 +92,12 @@ class TokenAppender:
             if reason is not None or state.pending_rollback is not None:
                 if i + 1 < len(tokens):
                     matcher.rollback(len(tokens) - 1 - i)  # forced tokens never appended
-                state.forced_pending = 0
+                state.cancel_forced()
                 return self._complete(req) if reason is FinishReason.LENGTH and self._stop_here(req) else reason
         if steer is not None and steer.finishes and self._stop_here(req):
             return self._complete(req)
         if len(tokens) > 1:
-            state.pending_extend = True
+            state.request_extend()
         return None
 
     @staticmethod
@@ -219,9 +219,7 @@ class TokenAppender:
             return [token]
         if not matcher.accept_all(ids):
             return [token]
-        if req.params.is_greedy:
-            state.forced_pending = len(ids)
-        state.forced_tokens += len(ids)
+        state.mark_forced(len(ids), verify=req.params.is_greedy)
         return [token, *ids]
 
     def _append_one(self, req: Request, token: int) -> FinishReason | None:
@@ -263,8 +261,8 @@ class TokenAppender:
             start = state.token_text_ends[keep - 1] if keep else 0
             ending = text[rejection.end] if 0 <= rejection.end < len(text) else ""
             replacement = text[start : rejection.start] + rejection.replacement + ending
-        state.pending_rollback = Rollback(keep, self._token_at(state, ban_char), rejection.reason, replacement,
-                                          ends_output=not rejection.path)
+        state.request_rollback(Rollback(keep, self._token_at(state, ban_char), rejection.reason, replacement,
+                                        ends_output=not rejection.path))
         return None
 
     def complete_written(self, req: Request) -> FinishReason | None:
@@ -293,7 +291,7 @@ class TokenAppender:
             self._record_forced_logprobs(req, t)
             if self._append_one(req, t) is not None or state.pending_rollback is not None:
                 matcher.rollback(len(ids))
-                state.pending_rollback = None
+                state.take_rollback()  # the written text is taken back whole instead
                 del req.output_ids[keep:], req.output_logprobs[keep:], req.output_top_logprobs[keep:]
                 self.rewind(req, keep)
                 return False

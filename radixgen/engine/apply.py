@@ -234,8 +234,7 @@ class StepApplier:
         if reason is not None:
             self.planner.remove_running(req)
             return self.finish(req, reason)
-        if state is not None and state.pending_extend:
-            state.pending_extend = False
+        if state is not None and state.take_extend():
             self._requeue_for_extend(req)
             return None
         return self.appender.emit(req, final=False)
@@ -284,8 +283,7 @@ class StepApplier:
         state = req.constraint
         mismatch = None
         if state is not None:
-            state.forced_pending = 0
-            mismatch, state.forced_mismatch = state.forced_mismatch, None
+            mismatch = state.take_mismatch()
         if mismatch is not None:  # the model would not have produced the forced tokens from here
             token_ids[i], req.sample_override = mismatch.token, (mismatch.logprob, mismatch.top_logprobs)
             self.appender.replaced_samples.append(req)  # the sampler counted the discarded sample
@@ -329,7 +327,7 @@ class StepApplier:
         """A validator rejected a value: take the output back to the value's first token, ban that
         token there, and requeue the request (its kept prefix is served from the cache). Past
         the retry bound the request ends with ``constraint_violation``."""
-        rollback, state.pending_rollback = state.pending_rollback, None
+        rollback = state.take_rollback()
         assert rollback is not None
         keep, ban_at, why = rollback.keep, rollback.ban_at, rollback.reason
         state.num_rollbacks += 1

@@ -173,7 +173,7 @@ class ConstrainedDecoding:
             if banned:
                 ban_tokens(mask[i], banned)
             if not mask[i].any():  # nothing may follow: whatever is sampled will be rejected
-                state.dead_end = (
+                state.mark_dead_end(
                     "the validators rejected every token that could continue the output here" if banned else
                     DEAD_END)
         return mask
@@ -234,8 +234,8 @@ class ConstrainedDecoding:
                     n = req.params.top_logprobs
                     pairs = ([] if not n or top_ids is None or top_lp is None else
                              list(zip(top_ids[row + j, :n].tolist(), top_lp[row + j, :n].tolist(), strict=True)))
-                    state.forced_mismatch = ForcedMismatch(len(req.output_ids) - m + j, choice,
-                                                           float(chosen_lp[row + j]), pairs)
+                    state.record_mismatch(ForcedMismatch(len(req.output_ids) - m + j, choice,
+                                                         float(chosen_lp[row + j]), pairs))
                     break
             row += m
         return logits[:batch]

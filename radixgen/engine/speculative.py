@@ -375,7 +375,7 @@ class _RowCheck:
             if self.walk.dead_at == j:
                 if j == 0:
                     assert req.constraint is not None
-                    req.constraint.dead_end = dead_end  # as a plain decode step would have found
+                    req.constraint.mark_dead_end(dead_end)  # as a plain decode step would have found
                     return self._with_logprobs(Verdict([], choice), host, self.first, 1)
                 # nothing may follow the last draft token: it is the model's choice, not a draft
                 return self._with_logprobs(Verdict(draft[: j - 1], draft[j - 1]), host, self.choices, j)
