@@ -90,7 +90,7 @@ class StepApplier:
         outputs: list[RequestOutput] = []
         if self.planner.drafter.active:
             self.planner.drafter.cost.observe(plan, forward_s)
-        num_prefill = plan.num_prefill if plan.kind is StepKind.PREFILL else 0
+        num_prefill = plan.num_prefill if plan.kind.runs_as_extend else 0
         rest: list[int] = []  # the rows left to the per-request path
         token_ids: list[int] = []
         if verdicts is None and self._steady_step(plan, result):
@@ -128,10 +128,11 @@ class StepApplier:
         sampled = plan.sample_mask
         self.stats.generated_tokens += len(plan.requests) if sampled is None else int(sampled.sum())
         step = self.log.current
-        step.kind = "mixed" if plan.num_decode else plan.kind.value
+        step.kind = plan.kind.value
         step.batch_size = plan.batch_size
         step.decode_rows = plan.batch_size - num_prefill
-        if plan.draft_lens is not None:  # a decode step whose rows carried drafts
+        if plan.kind is StepKind.SPECULATIVE:  # logged as a decode step whose rows carried drafts
+            assert plan.draft_lens is not None
             step.kind, step.decode_rows = "decode", plan.batch_size
             step.drafted_tokens = int(plan.draft_lens.sum())
             step.accepted_tokens = sum(len(v.accepted) for v in (verdicts or {}).values())
@@ -174,9 +175,9 @@ class StepApplier:
         """[B] bool: the decode rows whose token only appends, detokenizes and streams (a plain
         request that does not end with it), found with gathers over the row table; None when
         the step has none."""
-        if verdicts is not None or plan.draft_lens is not None:
+        if verdicts is not None or plan.kind is StepKind.SPECULATIVE:
             return None
-        start = plan.num_prefill if plan.kind is StepKind.PREFILL else 0
+        start = plan.num_prefill if plan.kind.runs_as_extend else 0
         if start >= len(plan.requests):
             return None
         rows, tokens = plan.rows[start:], result.token_ids[start:]

@@ -84,7 +84,7 @@ class DecodeRunner(ABC):
     def padded_size(self, plan: StepPlan) -> int | None:
         """The batch size ``plan`` runs at here; None for a step this runner does not take (not
         a plain decode step, or larger than its largest bucket)."""
-        if (plan.kind is not StepKind.DECODE or not self.buckets or plan.draft_lens is not None
+        if (plan.kind is not StepKind.DECODE or not self.buckets
                 or plan.verify_counts is not None or plan.prompt_scoring is not None):
             return None
         for size in self.buckets:

@@ -18,8 +18,33 @@ from radixgen.models.attention import AttentionBatch
 
 
 class StepKind(enum.Enum):
+    """The shape of a step. Overlapped scheduling's lookahead step is a ``DECODE`` planned early
+    (``StepPlan.lookahead``)."""
+
     PREFILL = "prefill"
+    """Prompt chunks (and jump-forward's forced tokens) only."""
+    MIXED = "mixed"
+    """Prompt chunks first, then every running request's next token (``num_decode`` rows)."""
     DECODE = "decode"
+    """One token per running request."""
+    SPECULATIVE = "speculative"
+    """Drafting rows (their newest token and drafts, verified by the step) first, then the
+    ``num_decode`` rows decoding one token."""
+
+    @property
+    def runs_as_extend(self) -> bool:
+        """Rows of any length, through the prefill attention path (all but ``DECODE``)."""
+        return self is not StepKind.DECODE
+
+    @property
+    def has_prompt_rows(self) -> bool:
+        """Its first ``num_prefill`` rows are prompt chunks (each counts its own outputs)."""
+        return self in (StepKind.PREFILL, StepKind.MIXED)
+
+    @property
+    def decodes_running(self) -> bool:
+        """The running requests advance in this step (they reserved their slots for it)."""
+        return self is not StepKind.PREFILL
 
 
 @dataclass
@@ -80,6 +105,12 @@ class StepPlan:
         return self.prefix_lens + self.extend_lens
 
     @property
+    def masks_early(self) -> bool:
+        """The grammar masks are known before the forward (no forced tokens or drafts to verify
+        first): they go up with the step's inputs."""
+        return self.kind is not StepKind.SPECULATIVE and self.verify_counts is None
+
+    @property
     def num_prefill(self) -> int:
         return len(self.requests) - self.num_decode
 
@@ -98,5 +129,5 @@ class StepPlan:
         """The host plan the attention backend prepares the step's metadata from."""
         return AttentionBatch(
             self.rows, self.prefix_lens, self.extend_lens, self.positions, self.out_cache_loc,
-            is_decode=self.kind is StepKind.DECODE, num_decode=self.num_decode, is_draft=self.draft_lens is not None,
+            is_decode=self.kind is StepKind.DECODE, num_decode=self.num_decode, is_draft=self.kind is StepKind.SPECULATIVE,
         )

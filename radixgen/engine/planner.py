@@ -208,7 +208,7 @@ class BatchPlanner:
                 plan = self._with_decode_rows(plan)
         if plan is None and self.running:
             plan = self._schedule_decode(known_inputs)
-        if plan is not None and (plan.kind is StepKind.DECODE or plan.num_decode or plan.draft_lens is not None):
+        if plan is not None and plan.kind.decodes_running:
             self.reserve.decode_step()  # the running requests decode in this step, mixed or not
         return plan
 
@@ -346,7 +346,7 @@ class BatchPlanner:
         ones = np.ones(len(reqs), dtype=np.int64)
         self.log.current.new_tokens += len(reqs)
         return StepPlan(
-            kind=StepKind.PREFILL, requests=plan.requests + reqs, rows=np.concatenate([plan.rows, rows]),
+            kind=StepKind.MIXED, requests=plan.requests + reqs, rows=np.concatenate([plan.rows, rows]),
             prefix_lens=np.concatenate([plan.prefix_lens, positions]),
             extend_lens=np.concatenate([plan.extend_lens, ones]),
             input_ids=np.concatenate([plan.input_ids, _last_tokens(reqs)]),
@@ -401,7 +401,7 @@ class BatchPlanner:
         None wherever the next step might be anything else (requests that could be admitted, a
         chunked prompt, drafts to verify, a batch changed since, no room without retracting),
         and the caller plans after applying the results instead."""
-        if (plan.kind is not StepKind.DECODE or plan.draft_lens is not None
+        if (plan.kind is not StepKind.DECODE
                 or plan.batch_version is None or plan.batch_version != self.running_version
                 or self.chunked is not None or self.drafter.may_draft(plan.requests)
                 or (self.waiting and len(self.running) < self.config.max_running_requests)):
@@ -454,7 +454,7 @@ class BatchPlanner:
         self._decode_arrays = None  # positions moved by more than one
         self.log.current.new_tokens = len(input_ids)
         return StepPlan(
-            kind=StepKind.PREFILL, requests=ordered, rows=rows, prefix_lens=prefix_lens, extend_lens=extend_lens,
+            kind=StepKind.SPECULATIVE, requests=ordered, rows=rows, prefix_lens=prefix_lens, extend_lens=extend_lens,
             input_ids=input_ids, positions=positions, out_cache_loc=slots,
             sample_mask=draft_lens == 0, verify_counts=draft_lens, draft_lens=draft_lens, num_decode=len(plain),
         )

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from radixgen.constraints.mask import apply_bitmask
-from radixgen.engine.plan import StepKind, StepPlan
+from radixgen.engine.plan import StepPlan
 from radixgen.engine.request import Request
 from radixgen.engine.row_params import RowParams
 from radixgen.kernels import ops  # noqa: F401  # defines torch.ops.radixgen.argmax_rows
@@ -245,7 +245,7 @@ class SamplingBatchCache:
         input (a decoding or drafting row) stands at output index prefix + 1 - prompt_len; the
         prefill rows (their first ``num_prefill``, outside speculative steps) count their own."""
         counters = plan.prefix_lens + 1 - self.row_params.prompt_len[plan.rows]
-        if plan.kind is StepKind.PREFILL and plan.draft_lens is None:
+        if plan.kind.has_prompt_rows:
             head = plan.requests[: plan.num_prefill]
             counters[: len(head)] = np.fromiter((len(r.output_ids) for r in head), dtype=np.int64, count=len(head))
         return counters

@@ -20,7 +20,7 @@ import torch
 from radixgen.config import EngineConfig
 from radixgen.engine.kv_pool import KVPool
 from radixgen.engine.params import SamplingParams
-from radixgen.engine.plan import StepKind, StepPlan
+from radixgen.engine.plan import StepPlan
 from radixgen.engine.request import Request
 from radixgen.engine.sampler import SampleResult
 from radixgen.engine.scheduler import Scheduler
@@ -189,7 +189,7 @@ class ReplicaSim:
                              count=plan.batch_size)
         step_s = self.cost.step_time(plan)
         self.clock += step_s
-        if plan.kind is StepKind.PREFILL:
+        if plan.kind.runs_as_extend:
             for r in plan.requests:
                 self.admitted_at.setdefault(r.request_id, self.clock - step_s)
         else:

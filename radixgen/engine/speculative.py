@@ -37,7 +37,7 @@ from radixgen.constraints import apply_bitmask
 from radixgen.constraints.backend import Matcher
 from radixgen.engine.constrained import forced_token_ids, walk_masks
 from radixgen.engine.ngram import DraftState, NgramIndex
-from radixgen.engine.plan import StepKind, StepPlan
+from radixgen.engine.plan import StepPlan
 from radixgen.engine.request import Request
 from radixgen.engine.sampler import (
     PenaltyState,
@@ -86,7 +86,7 @@ class DraftCost:
         return 1 << max(rows - 1, 0).bit_length()
 
     def observe(self, plan: StepPlan, seconds: float) -> None:
-        if plan.draft_lens is None and plan.kind is not StepKind.DECODE:
+        if plan.kind.has_prompt_rows:
             return  # prefill and mixed steps: their time is the prompts'
         drafted = float(plan.draft_lens.sum()) if plan.draft_lens is not None else 0.0
         sums = self._sums.setdefault(self._bucket(len(plan.requests)), [0.0] * 5)

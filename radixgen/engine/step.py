@@ -108,7 +108,7 @@ class StepPipeline:
     def _prepare(self, plan: StepPlan) -> None:
         """Loop-thread work before a planned step runs: the grammar masks of a plain step are
         known now, and go up with its inputs."""
-        if plan.draft_lens is None and plan.verify_counts is None:
+        if plan.masks_early:
             plan.bitmask = self.constraints.host_bitmask(plan)
 
     def execute(self, plan: StepPlan, late_mask: _MaskHandoff | None = None) -> StepOutcome:
@@ -116,12 +116,12 @@ class StepPipeline:
         ``late_mask``, the step's grammar masks come from there after the forward."""
         start = time.perf_counter()
         self._reset_penalties()
-        if plan.kind is StepKind.PREFILL:
+        if plan.kind.has_prompt_rows:
             for i, req in enumerate(plan.requests[: plan.num_prefill]):
                 # first chunk since admission: (re)build the penalty counts of its row
                 if req.params.has_penalties and plan.prefix_lens[i] == req.prefix_len:
                     self.sampler.penalties.reset_row(req.pool_row, req.prompt_ids, req.output_ids)
-        early_mask = plan.draft_lens is None and plan.verify_counts is None
+        early_mask = plan.masks_early
         with torch.inference_mode():  # logits are inference tensors; sampling edits them in place
             # so are the sampler's parameters when the batch changed: one upload for the step
             staged = self.sampling_batches.stage(plan) if early_mask else None
@@ -130,7 +130,7 @@ class StepPipeline:
                 logits, scores = split_prompt_scores(plan, logits)
                 _record_prompt_scores(plan, scores)
             verdicts = None
-            if plan.draft_lens is not None:
+            if plan.kind is StepKind.SPECULATIVE:
                 sampling = self.sampling_batches.get(plan)
                 logits, verdicts = verify_drafts(plan, logits, sampling, self.sampler.penalties,
                                                  self.constraints.scratch_mask(), DEAD_END)

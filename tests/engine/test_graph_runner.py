@@ -69,7 +69,7 @@ def test_a_runner_takes_plain_decode_steps_up_to_its_largest_bucket() -> None:
     prefill.kind = StepKind.PREFILL
     assert runner.padded_size(prefill) is None
     speculative = _decode_plan(2)
-    speculative.draft_lens = np.zeros(2, dtype=np.int64)
+    speculative.kind, speculative.draft_lens = StepKind.SPECULATIVE, np.zeros(2, dtype=np.int64)
     assert runner.padded_size(speculative) is None
     assert EagerDecode(None, None, None).padded_size(_decode_plan(2)) is None, "no buckets: unpadded"  # type: ignore[arg-type]
 

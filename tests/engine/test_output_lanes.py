@@ -159,7 +159,7 @@ def test_the_row_table_counts_each_requests_tokens_in_every_kind_of_step(
         for name in ("temperatures", "top_p", "top_k", "seeds", "rows"):
             assert torch.equal(getattr(batch, name), getattr(reference, name)), name
         assert batch.max_top_logprobs == 2 * any(r.params.top_logprobs for r in plan.requests)
-        kinds.add("mixed" if plan.kind is StepKind.PREFILL and plan.num_decode else plan.kind.value)
+        kinds.add(plan.kind.value)
         kinds.update("resumed" for r in plan.requests[: plan.num_prefill] if r.num_retractions and r.output_ids)
 
     _run(tokenizer, lane=True, monkeypatch=monkeypatch, kv_tokens=420, check=check)

@@ -49,7 +49,7 @@ def test_drafts_must_be_accepted_as_often_as_they_cost_at_the_batch_size() -> No
     from radixgen.engine.speculative import DraftCost
 
     def plan(rows: int, drafts: list[int] | None) -> Any:
-        kind = StepKind.DECODE if drafts is None else StepKind.PREFILL
+        kind = StepKind.DECODE if drafts is None else StepKind.SPECULATIVE
         lens = None if drafts is None else np.array(drafts + [0] * (rows - len(drafts)))
         return SimpleNamespace(requests=[None] * rows, draft_lens=lens, kind=kind)
 
