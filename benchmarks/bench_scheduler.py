@@ -28,6 +28,7 @@ from radixgen.engine.output import DeltaReader, StepDeltas  # noqa: E402
 from radixgen.engine.request import Request, RequestOutput  # noqa: E402
 from radixgen.engine.sampler import SampleResult, SamplingBatchCache  # noqa: E402
 from radixgen.engine.scheduler import Scheduler  # noqa: E402
+from radixgen.ipc.messages import Outputs  # noqa: E402
 
 PROMPT_LEN = 128
 REAL_MAX_RUNNING = 256  # the real-model column stops here (memory, time)
@@ -48,7 +49,7 @@ def scheduler_step_us(running: int, steps: int, tokenizer: Any = None, served: b
     pool = KVPool(num_slots=config.kv_cache_tokens or 0, num_layers=1, num_kv_heads=1, head_dim=1,
                   dtype=torch.float16, device="cpu", max_rows=config.max_running_requests, max_context_len=4096)
     sched = Scheduler(config, pool, tokenizer, eos_token_ids=())
-    params = SamplingParams(max_new_tokens=10**6 // 1000, temperature=0.7, top_p=0.9, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=steps + 16, temperature=0.7, top_p=0.9, ignore_eos=True)
     pending: list[RequestOutput] = []
     deltas = StepDeltas()
     reader = DeltaReader()
@@ -60,7 +61,7 @@ def scheduler_step_us(running: int, steps: int, tokenizer: Any = None, served: b
             texts[f"r{i}"] = ConsumerText(tokenizer, prompt, params.skip_special_tokens)
         sched.add_request(Request(f"r{i}", prompt, params, rng_seed=i,
                                   on_output=pending.append if served else lambda out: None, stream=True,
-                                  deltas=deltas if served else None, detokenize=not served))
+                                  delta_sink=deltas if served else None, detokenize=not served))
     # each request "samples" the tokens of a real text, from its own offset (real text decodes
     # as it would in serving: multi-byte characters, spaces merged into tokens)
     text_ids = np.asarray(tokenizer.encode(SAMPLE_TEXT, add_special_tokens=False) if tokenizer else [7], dtype=np.int64)
@@ -78,7 +79,7 @@ def scheduler_step_us(running: int, steps: int, tokenizer: Any = None, served: b
         batches.get(plan)
         sched.process_results(plan, SampleResult(sampled, None, None, None))
         if served:
-            message = pickle.dumps(("outputs", (pending[:], deltas.take())), protocol=pickle.HIGHEST_PROTOCOL)
+            message = pickle.dumps(Outputs(pending[:], deltas.take()), protocol=pickle.HIGHEST_PROTOCOL)
             pending.clear()
         elapsed = time.perf_counter() - start
         total += elapsed
@@ -90,8 +91,9 @@ def scheduler_step_us(running: int, steps: int, tokenizer: Any = None, served: b
     # the engine's steps instead of running between them.
     for message in messages if front_us is not None else ():
         start = time.perf_counter()
-        outputs, blocks = pickle.loads(message)[1]
-        for out in [*outputs, *(reader.expand(blocks) if blocks is not None else ())]:
+        received = pickle.loads(message)
+        blocks = received.blocks
+        for out in [*received.outputs, *(reader.expand(blocks) if blocks is not None else ())]:
             if out.request_id in texts:
                 texts[out.request_id].fill(out)
         front_us.append((time.perf_counter() - start) * 1e6)

@@ -27,6 +27,7 @@ from radixgen.config import EngineConfig
 from radixgen.constraints import Grammar
 from radixgen.constraints.partial import PartialJson
 from radixgen.engine.constrained import ConstrainedDecoding
+from radixgen.engine.inbox import AbortRequest, Admit, AdmitCompiled, InboxItem, RunOnLoop, Wake
 from radixgen.engine.model_runner import ModelRunner
 from radixgen.engine.output import FinishReason, GenerationOutput, RequestOutput, StepDeltas
 from radixgen.engine.params import SamplingParams, context_room
@@ -136,7 +137,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, pool, self.tokenizer, self.model_config.eos_token_ids,
                                    steering=self.constraints.steering)
         self.sampler = Sampler(self.model_config.vocab_size, self.config.max_running_requests, self.runner.device)
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
         self._rng = random.Random(self.config.seed)
         self._ids = itertools.count()
         self._dead_reason: str | None = None
@@ -198,15 +199,15 @@ class Engine:
         if params.prompt_logprob_start is not None:
             req.prompt_logprobs = np.full(len(prompt_ids) - params.prompt_logprob_start, np.nan, dtype=np.float32)
         if params.constraint is None:
-            self._inbox.put(("add", req))
+            self._inbox.put(Admit(req))
         else:  # compile off the loop; the request joins when its grammar is ready
             self.constraints.grammars().compile_async(
-                params.constraint, lambda grammar, error: self._inbox.put(("add_compiled", (req, grammar, error)))
+                params.constraint, lambda grammar, error: self._inbox.put(AdmitCompiled(req, grammar, error))
             )
         return req
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(AbortRequest(request_id))
 
     @property
     def num_active(self) -> int:
@@ -325,7 +326,7 @@ class Engine:
             atexit.unregister(at_exit)
         self.constraints.shutdown()
         self._stopped.set()
-        self._inbox.put(("wake", None))
+        self._inbox.put(Wake())
         self._thread.join(timeout=30)
 
     def __enter__(self) -> Engine:
@@ -346,7 +347,7 @@ class Engine:
             except BaseException as e:  # noqa: BLE001 - handed back to the caller
                 box.put((False, e))
 
-        self._inbox.put(("call", call))
+        self._inbox.put(RunOnLoop(call))
         ok, value = box.get(timeout=timeout)
         if not ok:
             raise value
@@ -452,20 +453,19 @@ class Engine:
         except queue.Empty:
             return
         while True:
-            kind, payload = item
-            if kind == "add":
-                self.scheduler.add_request(payload)
-            elif kind == "add_compiled":
-                self._add_compiled(*payload)
-            elif kind == "abort":
-                if not self.scheduler.abort(payload):
+            match item:
+                case Admit(req):
+                    self.scheduler.add_request(req)
+                case AdmitCompiled(req, grammar, error):
+                    self._add_compiled(req, grammar, error)
+                case AbortRequest(request_id) if not self.scheduler.abort(request_id):
                     with self._lock:  # still compiling, or already gone (then nothing to remember)
-                        compiling = payload in self._active_ids
+                        compiling = request_id in self._active_ids
                     if compiling:
-                        self._aborted_while_compiling.add(payload)
-            elif kind == "call":
-                self.pipeline.settle()  # a call sees a step boundary, never a step in flight
-                payload()
+                        self._aborted_while_compiling.add(request_id)
+                case RunOnLoop(call):
+                    self.pipeline.settle()  # a call sees a step boundary, never a step in flight
+                    call()
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

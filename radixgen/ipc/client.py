@@ -29,6 +29,17 @@ from radixgen.engine.output import DeltaReader, RequestOutput
 from radixgen.engine.params import SamplingParams
 from radixgen.errors import EngineDeadError, OverloadedError
 from radixgen.ipc.handle import OutputSink
+from radixgen.ipc.messages import (
+    Abort,
+    AddRequest,
+    Hello,
+    Outputs,
+    Ping,
+    Ready,
+    Shutdown,
+    Stats,
+    StatsQuery,
+)
 from radixgen.ipc.process import FRONT_TIMEOUT_S, engine_process_main, listen_addresses
 
 logger = logging.getLogger(__name__)
@@ -123,9 +134,9 @@ class EngineClient:
             if timeout <= 0:
                 ready.cancel()
                 raise EngineDeadError("the engine process did not become ready in time")
-        kind, info = ready.result()
-        assert kind == "ready", f"unexpected first message {kind!r}"
-        self.info = info
+        first = ready.result()
+        assert isinstance(first, Ready), f"unexpected first message {first!r}"
+        self.info = first.info
         self.dead_reason = None
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._watch_process())]
 
@@ -133,16 +144,16 @@ class EngineClient:
         """Say hello to the listening engine and wait for its ready message (what it sends
         before that is for an earlier front: outputs of requests it aborts for us)."""
         self._bind()
-        await asyncio.wait_for(self._to_engine.send_pyobj(("hello", None)), timeout)
+        await asyncio.wait_for(self._to_engine.send_pyobj(Hello()), timeout)
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not await self._from_engine.poll(remaining * 1000):
                 raise EngineDeadError(f"no engine answered at {self.attach} within {timeout:.0f} s")
-            kind, info = await self._from_engine.recv_pyobj()
-            if kind == "ready":
+            message = await self._from_engine.recv_pyobj()
+            if isinstance(message, Ready):
                 break
-        self.info = info
+        self.info = message.info
         self.dead_reason = None
         self._last_heard = time.monotonic()
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._heartbeat())]
@@ -154,13 +165,13 @@ class EngineClient:
         while True:
             await asyncio.sleep(1.0)
             with contextlib.suppress(zmq.ZMQError, asyncio.TimeoutError):
-                await asyncio.wait_for(self._to_engine.send_pyobj(("ping", None)), 1.0)
+                await asyncio.wait_for(self._to_engine.send_pyobj(Ping()), 1.0)
             silent = time.monotonic() - self._last_heard
             if self.dead_reason is None and silent > FRONT_TIMEOUT_S:
                 self._fail_in_flight(f"the engine at {self.attach} has not answered for {silent:.0f} s")
             elif self.dead_reason is not None and silent < 1.5:
                 with contextlib.suppress(zmq.ZMQError, asyncio.TimeoutError):
-                    await asyncio.wait_for(self._to_engine.send_pyobj(("hello", None)), 1.0)
+                    await asyncio.wait_for(self._to_engine.send_pyobj(Hello()), 1.0)
 
     def _fail_in_flight(self, reason: str) -> None:
         self.dead_reason = reason
@@ -185,7 +196,7 @@ class EngineClient:
                 self._process.kill()
             else:
                 with contextlib.suppress(zmq.ZMQError, asyncio.TimeoutError):
-                    await asyncio.wait_for(self._to_engine.send_pyobj(("shutdown", None)), _SHUTDOWN_SEND_S)
+                    await asyncio.wait_for(self._to_engine.send_pyobj(Shutdown()), _SHUTDOWN_SEND_S)
         if self._process is not None:
             await asyncio.to_thread(self._process.join, 20)
             if self._process.is_alive():
@@ -253,7 +264,7 @@ class EngineClient:
         text = self._consumer_text(prompt_ids, params)
         self._sinks[request_id] = (sink, tag, text)
         try:
-            await self._to_engine.send_pyobj(("add", (request_id, prompt_ids, params, stream, text is None)))
+            await self._to_engine.send_pyobj(AddRequest(request_id, prompt_ids, params, stream, text is None))
         except BaseException:
             self._sinks.pop(request_id, None)
             raise
@@ -268,7 +279,7 @@ class EngineClient:
     async def abort(self, request_id: str) -> None:
         if self._sinks.pop(request_id, None) is not None and self.dead_reason is None:
             with contextlib.suppress(zmq.ZMQError):
-                await self._to_engine.send_pyobj(("abort", request_id))
+                await self._to_engine.send_pyobj(Abort(request_id))
 
     async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
         if self.dead_reason is not None:
@@ -277,7 +288,7 @@ class EngineClient:
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._stats_waiters[key] = future
         try:
-            await self._to_engine.send_pyobj(("stats", key))
+            await self._to_engine.send_pyobj(StatsQuery(key))
             return await asyncio.wait_for(future, timeout)
         finally:
             self._stats_waiters.pop(key, None)
@@ -286,12 +297,12 @@ class EngineClient:
 
     async def _receive_loop(self) -> None:
         while True:
-            kind, payload = await self._from_engine.recv_pyobj()
+            message = await self._from_engine.recv_pyobj()
             self._last_heard = time.monotonic()
-            if kind == "outputs":
+            if isinstance(message, Outputs):
                 sinks = self._sinks
-                outputs, blocks = payload
-                for out in outputs:
+                blocks = message.blocks
+                for out in message.outputs:
                     entry = sinks.get(out.request_id)
                     if entry is not None:
                         if entry[2] is not None:
@@ -306,15 +317,14 @@ class EngineClient:
                             if entry[2] is not None:
                                 entry[2].fill(out)
                             entry[0].put(entry[1], out)
-            elif kind == "ready":  # the attached engine answers again after a silence
-                self.info, self.dead_reason = payload, None
+            elif isinstance(message, Ready):  # the attached engine answers again after a silence
+                self.info, self.dead_reason = message.info, None
                 self._deltas = DeltaReader()
                 logger.warning("the engine at %s answers again", self.attach)
-            elif kind == "stats":
-                key, stats = payload
-                waiter = self._stats_waiters.get(key)
+            elif isinstance(message, Stats):
+                waiter = self._stats_waiters.get(message.key)
                 if waiter is not None and not waiter.done():
-                    waiter.set_result(stats)
+                    waiter.set_result(message.stats)
 
     async def _watch_process(self) -> None:
         while True:
