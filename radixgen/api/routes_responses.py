@@ -33,7 +33,7 @@ from openai.types.responses.response_usage import InputTokensDetails, OutputToke
 from radixgen.api.chat import OutputReader
 from radixgen.api.chat_plan import ChatPlan, plan_chat
 from radixgen.api.jobs import ChoiceResult, apply, merge_streams, run_jobs
-from radixgen.api.protocol import ChatCompletionRequest, ResponsesRequest, ToolCall
+from radixgen.api.protocol import ChatCompletionRequest, DeltaMessage, ResponsesRequest, ToolCall
 from radixgen.api.sse import sse, stream_response
 from radixgen.errors import InvalidParamsError
 
@@ -223,26 +223,13 @@ def _stream(request: Request, req: ResponsesRequest, plan: ChatPlan, history: li
     deltas, the item done, completed (with the whole response)."""
     result = ChoiceResult()
     reader = plan.tools.reader()
-    seq = 0
+    events = _ResponseEvents(message_id, reader)
     last_token_at: list[float | None] = [None]
-
-    def event(kind: str, **fields: Any) -> str:
-        nonlocal seq
-        seq += 1
-        return sse({"type": kind, "sequence_number": seq - 1, **fields})
-
     empty = _response(req, plan, result, [], created, status="in_progress").model_dump(exclude_none=True)
-    # output items in the order they open: the reasoning item, the message, each function call
-    opened: list[tuple[str, int]] = []  # (kind, call index)
-    reasoning_id = f"rs-{message_id}"
-
-    def index_of(kind: str, call: int = -1) -> int:
-        return opened.index((kind, call))
 
     async def body() -> AsyncGenerator[str, None]:
-        yield event("response.created", response=empty)
-        yield event("response.in_progress", response=empty)
-        pending_text = ""
+        yield events.event("response.created", response=empty)
+        yield events.event("response.in_progress", response=empty)
         async for item in merge_streams(request, plan.jobs):
             if item is None:
                 yield ": keep-alive\n\n"
@@ -254,65 +241,105 @@ def _stream(request: Request, req: ResponsesRequest, plan: ChatPlan, history: li
             if out.finished:
                 deltas += reader.finish()
             for delta in deltas:
-                if delta.reasoning_content:
-                    if ("reasoning", -1) not in opened:
-                        opened.append(("reasoning", -1))
-                        yield event("response.output_item.added", output_index=index_of("reasoning"), item={
-                            "type": "reasoning", "id": reasoning_id, "summary": [], "status": "in_progress"})
-                    yield event("response.reasoning_text.delta", item_id=reasoning_id,
-                                output_index=index_of("reasoning"), content_index=0, delta=delta.reasoning_content)
-                text = pending_text + (delta.content or "")
-                if ("message", -1) not in opened and text and not text.strip():
-                    pending_text = text  # whitespace between calls opens no message
-                elif text:
-                    pending_text = ""
-                    if ("message", -1) not in opened:
-                        opened.append(("message", -1))
-                        yield event("response.output_item.added", output_index=index_of("message"), item={
-                            "type": "message", "id": message_id, "role": "assistant", "status": "in_progress",
-                            "content": []})
-                        yield event("response.content_part.added", item_id=message_id,
-                                    output_index=index_of("message"), content_index=0,
-                                    part={"type": "output_text", "text": "", "annotations": []})
-                    yield event("response.output_text.delta", item_id=message_id, output_index=index_of("message"),
-                                content_index=0, delta=text, logprobs=[])
-                for call in delta.tool_calls or []:
-                    number = call["index"]
-                    if "id" in call:
-                        opened.append(("call", number))
-                        yield event("response.output_item.added", output_index=index_of("call", number), item={
-                            "type": "function_call", "id": f"fc-{call['id']}", "call_id": call["id"],
-                            "name": call["function"]["name"], "arguments": "", "status": "in_progress"})
-                    if call["function"].get("arguments"):
-                        yield event("response.function_call_arguments.delta",
-                                    item_id=f"fc-{reader.calls[number].id}", output_index=index_of("call", number),
-                                    delta=call["function"]["arguments"])
+                for text in events.on_delta(delta):
+                    yield text
         items, calls = _output_items(reader, result, message_id)
+        closing, output = events.closing(items)
+        for text in closing:
+            yield text
+        _remember(request, req, history, reader.content, calls, plan.base_id)
+        final = _response(req, plan, result, output, created).model_dump(exclude_none=True)
+        yield events.event("response.completed" if final["status"] == "completed" else "response.incomplete",
+                           response=final)
+
+    return stream_response(request, "responses", [result], started, body(),
+                           lambda status, kind, message: events.event("error", code=str(status), message=message,
+                                                                      param=None))
+
+
+class _ResponseEvents:
+    """The Responses API's streamed events of one answer, numbered in order. Output items are
+    indexed in the order they open: the reasoning item, the message, each function call."""
+
+    def __init__(self, message_id: str, reader: OutputReader) -> None:
+        self.message_id, self.reasoning_id = message_id, f"rs-{message_id}"
+        self.reader = reader
+        self.opened: list[tuple[str, int]] = []  # (kind, call index)
+        self._seq = 0
+        self._pending_text = ""  # whitespace not yet shown: between calls it opens no message
+
+    def event(self, kind: str, **fields: Any) -> str:
+        self._seq += 1
+        return sse({"type": kind, "sequence_number": self._seq - 1, **fields})
+
+    def _index(self, kind: str, call: int = -1) -> int:
+        return self.opened.index((kind, call))
+
+    def _open_message(self) -> list[str]:
+        self.opened.append(("message", -1))
+        return [self.event("response.output_item.added", output_index=self._index("message"), item={
+            "type": "message", "id": self.message_id, "role": "assistant", "status": "in_progress", "content": []})]
+
+    def on_delta(self, delta: DeltaMessage) -> list[str]:
+        out: list[str] = []
+        if delta.reasoning_content:
+            if ("reasoning", -1) not in self.opened:
+                self.opened.append(("reasoning", -1))
+                out.append(self.event("response.output_item.added", output_index=self._index("reasoning"), item={
+                    "type": "reasoning", "id": self.reasoning_id, "summary": [], "status": "in_progress"}))
+            out.append(self.event("response.reasoning_text.delta", item_id=self.reasoning_id,
+                                  output_index=self._index("reasoning"), content_index=0,
+                                  delta=delta.reasoning_content))
+        text = self._pending_text + (delta.content or "")
+        if ("message", -1) not in self.opened and text and not text.strip():
+            self._pending_text = text
+        elif text:
+            self._pending_text = ""
+            if ("message", -1) not in self.opened:
+                out += self._open_message()
+                out.append(self.event("response.content_part.added", item_id=self.message_id,
+                                      output_index=self._index("message"), content_index=0,
+                                      part={"type": "output_text", "text": "", "annotations": []}))
+            out.append(self.event("response.output_text.delta", item_id=self.message_id,
+                                  output_index=self._index("message"), content_index=0, delta=text, logprobs=[]))
+        for call in delta.tool_calls or []:
+            number = call["index"]
+            if "id" in call:
+                self.opened.append(("call", number))
+                out.append(self.event("response.output_item.added", output_index=self._index("call", number), item={
+                    "type": "function_call", "id": f"fc-{call['id']}", "call_id": call["id"],
+                    "name": call["function"]["name"], "arguments": "", "status": "in_progress"}))
+            if call["function"].get("arguments"):
+                out.append(self.event("response.function_call_arguments.delta",
+                                      item_id=f"fc-{self.reader.calls[number].id}",
+                                      output_index=self._index("call", number), delta=call["function"]["arguments"]))
+        return out
+
+    def closing(self, items: list[Any]) -> tuple[list[str], list[Any]]:
+        """The events that close every opened item, and the answer's output items in their order."""
+        out: list[str] = []
         by_kind: dict[tuple[str, int], Any] = {}
         for it in items:
             number = sum(key[0] == "call" for key in by_kind) if it.type == "function_call" else -1
             by_kind[("call" if it.type == "function_call" else it.type, number)] = it
-        if not opened or (("message", -1) in by_kind and ("message", -1) not in opened):
-            opened.append(("message", -1))  # an empty answer still has its (empty) message
-            yield event("response.output_item.added", output_index=index_of("message"), item={
-                "type": "message", "id": message_id, "role": "assistant", "status": "in_progress", "content": []})
-        output = [by_kind[key] for key in opened]
-        for index, (kind, _) in enumerate(opened):
+        if not self.opened or (("message", -1) in by_kind and ("message", -1) not in self.opened):
+            out += self._open_message()  # an empty answer still has its (empty) message
+        output = [by_kind[key] for key in self.opened]
+        reader = self.reader
+        for index, (kind, _) in enumerate(self.opened):
             done = output[index]
             if kind == "reasoning":
-                yield event("response.reasoning_text.done", item_id=reasoning_id, output_index=index, content_index=0,
-                            text=reader.reasoning)
+                out.append(self.event("response.reasoning_text.done", item_id=self.reasoning_id, output_index=index,
+                                      content_index=0, text=reader.reasoning))
             elif kind == "message" and reader.content:
-                yield event("response.output_text.done", item_id=message_id, output_index=index, content_index=0,
-                            text=reader.content, logprobs=[])
-                yield event("response.content_part.done", item_id=message_id, output_index=index, content_index=0,
-                            part={"type": "output_text", "text": reader.content, "annotations": []})
+                out.append(self.event("response.output_text.done", item_id=self.message_id, output_index=index,
+                                      content_index=0, text=reader.content, logprobs=[]))
+                out.append(self.event("response.content_part.done", item_id=self.message_id, output_index=index,
+                                      content_index=0,
+                                      part={"type": "output_text", "text": reader.content, "annotations": []}))
             elif kind == "call":
-                yield event("response.function_call_arguments.done", item_id=done.id, output_index=index,
-                            name=done.name, arguments=done.arguments)
-            yield event("response.output_item.done", output_index=index, item=done.model_dump(exclude_none=True))
-        _remember(request, req, history, reader.content, calls, plan.base_id)
-        final = _response(req, plan, result, output, created).model_dump(exclude_none=True)
-        yield event("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
-
-    return stream_response(request, "responses", [result], started, body(), lambda status, kind, message: event("error", code=str(status), message=message, param=None))
+                out.append(self.event("response.function_call_arguments.done", item_id=done.id, output_index=index,
+                                      name=done.name, arguments=done.arguments))
+            out.append(self.event("response.output_item.done", output_index=index,
+                                  item=done.model_dump(exclude_none=True)))
+        return out, output

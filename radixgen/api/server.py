@@ -12,12 +12,12 @@ import dataclasses
 import hmac
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
@@ -118,6 +118,25 @@ def _import_tokenizer_stack() -> Any:
 
 
 def create_app(config: ServerConfig, *, client: EngineHandle | None = None) -> FastAPI:
+    app = FastAPI(title="radixgen", version="0.1.0", lifespan=_lifespan(config, client))
+    app.include_router(chat_router)
+    app.include_router(completions_router)
+    app.include_router(responses_router)
+    app.include_router(service_router)
+
+    api_key = config.api_key or os.environ.get("RADIXGEN_API_KEY") or None
+
+    app.state.drain = Drain(config.shutdown_timeout)
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=config.max_request_bytes,
+                       drain=app.state.drain)
+
+    _install_error_handlers(app)
+    return app
+
+
+def _lifespan(config: ServerConfig, client: EngineHandle | None) -> Callable[[FastAPI], Any]:
+    """Start the engine (or attach to it) and the tokenizer-side state before serving; stop it after."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine: EngineHandle = client or EngineClient(config, restarts=config.engine_restarts,
@@ -146,16 +165,11 @@ def create_app(config: ServerConfig, *, client: EngineHandle | None = None) -> F
         finally:
             await engine.shutdown()
 
-    app = FastAPI(title="radixgen", version="0.1.0", lifespan=lifespan)
-    app.include_router(chat_router)
-    app.include_router(completions_router)
-    app.include_router(responses_router)
+    return lifespan
 
-    api_key = config.api_key or os.environ.get("RADIXGEN_API_KEY") or None
 
-    app.state.drain = Drain(config.shutdown_timeout)
-    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=config.max_request_bytes,
-                       drain=app.state.drain)
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error answers in OpenAI's error shape."""
 
     @app.exception_handler(RadixgenError)
     async def on_radixgen_error(request: Request, exc: RadixgenError) -> JSONResponse:
@@ -189,34 +203,40 @@ def create_app(config: ServerConfig, *, client: EngineHandle | None = None) -> F
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, str(exc.detail), kind=kind)
 
-    @app.get("/health")
-    async def health(request: Request) -> JSONResponse:
-        engine: EngineHandle = request.app.state.client
-        if not engine.is_healthy:
-            return error_response(503, f"engine unavailable: {engine.dead_reason}", kind="service_unavailable")
-        return JSONResponse({"status": "ok", "in_flight": engine.num_in_flight})
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> ModelList:
-        engine: EngineHandle = request.app.state.client
-        return ModelList(data=[ModelCard(id=request.app.state.model_name, max_model_len=engine.info.get("max_context_len"))])
+service_router = APIRouter()
+"""Health, the model list, metrics and the engine's counters."""
 
-    @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        engine: EngineHandle = request.app.state.client
-        stats: dict[str, Any] | None = None
-        if engine.is_healthy:
-            try:
-                stats = await engine.stats()
-            except (EngineDeadError, TimeoutError):
-                stats = None
-        body = request.app.state.metrics.render(stats)
-        return Response(body, media_type="text/plain; version=0.0.4")
 
-    @app.get("/internal/stats")
-    async def internal_stats(request: Request) -> JSONResponse:
-        """KV accounting and scheduler counters (for tests and debugging)."""
-        client: EngineHandle = request.app.state.client
-        return JSONResponse({**await client.stats(), "engine_pid": client.engine_pid})
+@service_router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    engine: EngineHandle = request.app.state.client
+    if not engine.is_healthy:
+        return error_response(503, f"engine unavailable: {engine.dead_reason}", kind="service_unavailable")
+    return JSONResponse({"status": "ok", "in_flight": engine.num_in_flight})
 
-    return app
+
+@service_router.get("/v1/models")
+async def models(request: Request) -> ModelList:
+    engine: EngineHandle = request.app.state.client
+    return ModelList(data=[ModelCard(id=request.app.state.model_name, max_model_len=engine.info.get("max_context_len"))])
+
+
+@service_router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    engine: EngineHandle = request.app.state.client
+    stats: dict[str, Any] | None = None
+    if engine.is_healthy:
+        try:
+            stats = await engine.stats()
+        except (EngineDeadError, TimeoutError):
+            stats = None
+    body = request.app.state.metrics.render(stats)
+    return Response(body, media_type="text/plain; version=0.0.4")
+
+
+@service_router.get("/internal/stats")
+async def internal_stats(request: Request) -> JSONResponse:
+    """KV accounting and scheduler counters (for tests and debugging)."""
+    client: EngineHandle = request.app.state.client
+    return JSONResponse({**await client.stats(), "engine_pid": client.engine_pid})
