@@ -129,6 +129,15 @@ def xgrammar_structural_tag(structure: dict[str, Any], options: GrammarOptions) 
     return {"type": "structural_tag", "format": body}
 
 
+def _free_text_lark(trigger: str, trigger_is_a_token: bool) -> tuple[list[str], str]:
+    """The rules for free text (``TEXT``: text without the trigger ``trigger``, a Lark literal)
+    and the expression for the text up to and including the trigger."""
+    if trigger_is_a_token:  # text cannot spell a special token
+        return ["TEXT: /(?s:.+)/"], f"TEXT? {trigger}"
+    return [f"text_to_trigger[suffix={trigger}]: /(?s:.*)/",
+            f"TEXT: /(?s:.+)/ & ~(/(?s:.*)/ {trigger} /(?s:.*)/)"], "text_to_trigger"
+
+
 def llguidance_structural_lark(structure: dict[str, Any], options: GrammarOptions, json_options: dict[str, Any],
                                special_token_id: Callable[[str], int | None]) -> str:
     """The structure as an llguidance Lark grammar. Free text is a lazy lexeme that ends with
@@ -183,14 +192,8 @@ def llguidance_structural_lark(structure: dict[str, Any], options: GrammarOption
         else:
             calls_rule("block", True, head, spec["block_end"])
             one_block = single
-        trigger_token = special_token_id(trigger)
-        if trigger_token is None:
-            rules.append(f"text_to_trigger[suffix={literal(trigger)}]: /(?s:.*)/")
-            rules.append(f"TEXT: /(?s:.+)/ & ~(/(?s:.*)/ {literal(trigger)} /(?s:.*)/)")
-            to_trigger = "text_to_trigger"
-        else:  # text cannot spell a special token
-            rules.append("TEXT: /(?s:.+)/")
-            to_trigger = f"TEXT? {literal(trigger)}"
+        text_rules, to_trigger = _free_text_lark(literal(trigger), special_token_id(trigger) is not None)
+        rules += text_rules
         opened = f"{literal(trigger)} block"
         if not spec.get("free_text", True):
             calls = opened if one_block else f"{opened} (/[ \\n]/? {opened})*"

@@ -328,6 +328,13 @@ def build_attention_plan(
             attn.shared_prefix, attn.group_leader = (torch.from_numpy(a).to(device) for a in sharing)
         return attn
 
+    return _masked_plan(plan, req_to_token, device, dtype, out_cache_loc)
+
+
+def _masked_plan(plan: AttentionBatch, req_to_token: torch.Tensor, device: torch.device, dtype: torch.dtype,
+                 out_cache_loc: torch.Tensor) -> AttentionPlan:
+    """The reference path: every row's K/V gathered and padded to the longest, one additive mask."""
+    batch = plan.batch_size
     prefix = torch.from_numpy(plan.prefix_lens).to(device)
     extend = torch.from_numpy(plan.extend_lens).to(device)
     seq_lens = prefix + extend
