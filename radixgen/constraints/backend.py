@@ -48,7 +48,11 @@ class Matcher(ABC):
     ``rollback(n)`` undoes the last n accepted tokens. ``is_terminated()`` is True once the
     output is complete (the stop token was accepted). ``forced_string()`` is the text every
     continuation must start with (empty when the next character is not forced).
+    ``is_completed()``: the output may end here (the automaton would take a stop token).
     """
+
+    stop_token_ids: tuple[int, ...] = ()
+    """The tokens that end the output (each backend's matcher is given them)."""
 
     @abstractmethod
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None: ...
@@ -80,6 +84,14 @@ class Matcher(ABC):
 
     @abstractmethod
     def forced_string(self) -> str: ...
+
+    def is_completed(self) -> bool:
+        """The output may end here: a stop token is taken (and taken back, so the state is as it was)."""
+        for t in self.stop_token_ids:
+            if self.accept(t):
+                self.rollback(1)
+                return True
+        return False
 
 
 class GrammarBackend(ABC):

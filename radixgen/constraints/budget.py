@@ -71,9 +71,8 @@ class Completion:
 class Completer:
     """Finds completions for the matchers of one tokenizer (one per engine; loop thread only)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self.tokenizer = tokenizer
-        self.stop_token_ids = list(stop_token_ids)
         self._encoded: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         # the single-character tokens, in preference order; inside text (where a letter is
         # allowed) letters come before the closers, so a padded string reads "aaa", not "}}}"
@@ -121,7 +120,7 @@ class Completer:
         try:
             while size <= _MAX_COMPLETION_CHARS * scale and attempts <= _MAX_WALK_STEPS * scale:
                 attempts += 1
-                if self.can_stop(matcher):
+                if matcher.is_completed():
                     text = "".join(piece for _, piece, _ in steps)
                     return Completion(text, self.encode(text))
                 forced = matcher.forced_string()
@@ -182,14 +181,6 @@ class Completer:
                     return (len(ids), pad + text + '"', None)
         return None
 
-    def can_stop(self, matcher: Matcher) -> bool:
-        """Whether the output is complete here (the automaton accepts a stop token)."""
-        for t in self.stop_token_ids:
-            if matcher.accept(t):
-                matcher.rollback(1)
-                return True
-        return False
-
     def _options(self, matcher: Matcher, *, avoid: str | None) -> Iterator[str]:
         """The allowed next characters in preference order, each yielded with ``matcher``
         advanced by it (the consumer rolls it back before asking for the next). Probing with
@@ -213,7 +204,7 @@ class Completer:
             # through every character made JSON walks 1.7x slower, and JSON takes no newline)
             for ch, t in order:
                 if matcher.accept(t):
-                    if self.can_stop(matcher):
+                    if matcher.is_completed():
                         finishing.add(ch)
                         yield ch
                     else:
@@ -225,7 +216,7 @@ class Completer:
                 forced_ids = self.encode(forced) if forced else ()
                 ends = bool(forced_ids) and matcher.accept_all(forced_ids)
                 if ends:
-                    ends = self.can_stop(matcher)
+                    ends = matcher.is_completed()
                     matcher.rollback(len(forced_ids))
                 if ends:
                     finishing.add(ch)

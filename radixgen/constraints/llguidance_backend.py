@@ -29,6 +29,7 @@ class LLGuidanceMatcher(Matcher):
     def __init__(self, matcher: Any, stop_token_ids: frozenset[int]) -> None:
         self._m = matcher
         self._stop_ids = stop_token_ids
+        self.stop_token_ids = tuple(sorted(stop_token_ids))
         # per accepted token: (given to llguidance, ended the output). A stop token after the
         # parser has stopped on its own is ours alone: llguidance has nothing to consume then.
         self._history: list[tuple[bool, bool]] = []

@@ -61,6 +61,7 @@ class OutlinesMatcher(Matcher):
     def __init__(self, index: Any, stop_token_ids: frozenset[int]) -> None:
         self._guide = outlines_core.Guide(index, max_rollback=_MAX_ROLLBACK)
         self._stop_ids = stop_token_ids
+        self.stop_token_ids = tuple(sorted(stop_token_ids))
         self._history: list[bool] = []  # per accepted token: was it the stop token (not given to the guide)
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:

@@ -33,9 +33,10 @@ _SEPARATORS = (", ", ": ")
 class XGrammarMatcher(Matcher):
     _batch: Any = None  # xgrammar's batch matcher: fills many requests' rows on its own threads
 
-    def __init__(self, compiled: Any, allowed_words: np.ndarray | None = None) -> None:
+    def __init__(self, compiled: Any, allowed_words: np.ndarray | None, stop_token_ids: tuple[int, ...]) -> None:
         self._m = xgr.GrammarMatcher(compiled)
         self._allowed_words = allowed_words
+        self.stop_token_ids = stop_token_ids
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         self._m.fill_next_token_bitmask(torch.from_numpy(bitmask), row)
@@ -71,12 +72,13 @@ class XGrammarMatcher(Matcher):
 
 class XGrammarGrammar(Grammar):
     compiled_by = "xgrammar"
-    def __init__(self, compiled: Any, allowed_words: np.ndarray | None = None) -> None:
+    def __init__(self, compiled: Any, allowed_words: np.ndarray | None, stop_token_ids: tuple[int, ...]) -> None:
         self.compiled = compiled
         self.allowed_words = allowed_words
+        self.stop_token_ids = stop_token_ids
 
     def matcher(self) -> Matcher:
-        return XGrammarMatcher(self.compiled, self.allowed_words)
+        return XGrammarMatcher(self.compiled, self.allowed_words, self.stop_token_ids)
 
 
 def _words_without_control_bytes(decoded_vocab: list[bytes], vocab_size: int) -> np.ndarray:
@@ -127,7 +129,8 @@ class XGrammarBackend(GrammarBackend):
                 compiled = self._compiler.compile_regex(spec.pattern())
         except (RuntimeError, ValueError, xgr.InvalidStructuralTagError) as e:
             raise InvalidConstraintError(f"cannot compile the {spec.kind.replace('_', ' ')}: {e}") from None
-        grammar = XGrammarGrammar(compiled, self._json_words if spec.kind in ("json_schema", "json_object") else None)
+        grammar = XGrammarGrammar(compiled, self._json_words if spec.kind in ("json_schema", "json_object") else None,
+                                  tuple(self.stop_token_ids))
         grammar.enforces_schema_exactly = spec.kind == "json_schema" and xgrammar_enforces_exactly(
             as_2020_12(spec.schema()))
         if spec.kind == "structural":

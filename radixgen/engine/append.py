@@ -182,12 +182,7 @@ class TokenAppender:
         """At the end of the budget (or of steering), end the output if it is complete: the
         automaton takes its stop token without a step spent sampling the only allowed token."""
         assert req.constraint is not None
-        matcher = req.constraint.matcher
-        for t in self.eos_token_ids:
-            if matcher.accept(t):
-                matcher.rollback(1)  # the request ends here; a validator's rollback must find the state as it was
-                return True
-        return False
+        return req.constraint.matcher.is_completed()
 
     def _complete(self, req: Request) -> FinishReason | None:
         """The automaton is terminated: a bare root value (a number) completes only here, so

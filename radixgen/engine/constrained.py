@@ -58,7 +58,7 @@ class ConstrainedDecoding:
         self._schema_validators: dict[str, SchemaValidators] = {}
         self.steering: BudgetSteering | None = None
         if config.budget_steering and tokenizer is not None:
-            self.steering = BudgetSteering(Completer(tokenizer, vocab_size, stop_token_ids), tokenizer,
+            self.steering = BudgetSteering(Completer(tokenizer, vocab_size), tokenizer,
                                            margin_tokens=config.budget_margin_tokens)
         self._shortest: OrderedDict[tuple[str, str], ShortestOutput] = OrderedDict()
 

@@ -102,7 +102,7 @@ class BudgetSteering:
         if not matcher.accept_all(completion.token_ids):
             return False
         try:
-            return self.completer.can_stop(matcher)
+            return matcher.is_completed()
         finally:
             if completion.token_ids:
                 matcher.rollback(len(completion.token_ids))

@@ -37,7 +37,7 @@ CATALOGUE = {"type": "object", "additionalProperties": False,
 @pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
 def walk(request: pytest.FixtureRequest, tokenizer: Any) -> Any:
     service = GrammarService(make_backend(request.param, tokenizer, VOCAB, [tokenizer.eos_token_id]))
-    completer = Completer(tokenizer, VOCAB, [tokenizer.eos_token_id])
+    completer = Completer(tokenizer, VOCAB)
 
     def complete(schema: dict[str, Any], prefix: str, *, scale: int = 1, strings: tuple[str, ...] = ()) -> str | None:
         matcher = service.compile(schema_spec(schema)).matcher()

@@ -201,7 +201,10 @@ def test_rollback_restores_the_state_and_the_stop_token_ends(service: GrammarSer
     matcher.fill_bitmask(after, 0)
     assert np.array_equal(before, after), "rollback returns to the same mask"
     assert not matcher.accept(tokenizer.encode("}", add_special_tokens=False)[0]), "a refused token is refused"
+    assert not matcher.is_completed(), "the object is still open"
     assert all(matcher.accept(t) for t in ids[3:]) and not matcher.is_terminated()
+    assert matcher.is_completed() and matcher.is_completed(), "asking leaves the state as it was"
+    assert not matcher.is_terminated()
     assert matcher.accept(tokenizer.eos_token_id) and matcher.is_terminated()
     matcher.rollback(1)
     assert not matcher.is_terminated(), "rolling back the stop token reopens the output"
