@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from radixgen.constraints.backend import Matcher
 from radixgen.constraints.spec import MAX_REGEX_STATES, state_budget
@@ -299,6 +299,18 @@ class RegexCompletions:
         return "".join(pieces)
 
 
+class BudgetSnapshot(NamedTuple):
+    """Where ``BudgetState`` stood in the text (taken before a token is followed, to go back)."""
+
+    in_string: bool
+    escape: bool
+    string_chars: int
+    in_key: bool
+    containers: str
+    key_expected: bool
+    dfa_state: int | None
+
+
 @dataclass
 class BudgetState:
     """One request's view of its budget (updated token by token on the loop thread)."""
@@ -341,11 +353,11 @@ class BudgetState:
         self.completion = None
         self.scan(text)
 
-    def snapshot(self) -> tuple[bool, bool, int, bool, str, bool, int | None]:
-        return (self.in_string, self.escape, self.string_chars, self.in_key, self.containers, self.key_expected,
-                self.dfa_state)
+    def snapshot(self) -> BudgetSnapshot:
+        return BudgetSnapshot(self.in_string, self.escape, self.string_chars, self.in_key, self.containers,
+                              self.key_expected, self.dfa_state)
 
-    def restore(self, saved: tuple[bool, bool, int, bool, str, bool, int | None]) -> None:
+    def restore(self, saved: BudgetSnapshot) -> None:
         (self.in_string, self.escape, self.string_chars, self.in_key, self.containers, self.key_expected,
          self.dfa_state) = saved
 

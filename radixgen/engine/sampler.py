@@ -161,31 +161,33 @@ class SamplingBatch:
                                       dtype=np.int64)) for i in short.tolist()]
         top_logprobs = table.top_logprobs[rows]
         sampled_rows = np.flatnonzero(sampled).astype(np.int64)
-        columns = [staged(np.asarray(a)) for a in (
-            temps, top_p, top_k, min_p, table.seed[rows], counters.astype(np.int64), rows.astype(np.int64), sampled_rows,
-        )]
+        columns = {name: staged(np.asarray(a)) for name, a in (
+            ("temperatures", temps), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p), ("seeds", table.seed[rows]),
+            ("counters", counters.astype(np.int64)), ("rows", rows.astype(np.int64)), ("sampled_rows", sampled_rows),
+        )}
         has_penalties = bool(len(penalized))
         if has_penalties:
-            columns += [staged(penalized.astype(np.int64)), pen(table.repetition), pen(table.frequency),
-                        pen(table.presence)]
+            columns |= {"penalized": staged(penalized.astype(np.int64)), "repetition": pen(table.repetition),
+                        "frequency": pen(table.frequency), "presence": pen(table.presence)}
 
         def build(uploaded: list[torch.Tensor]) -> SamplingBatch:
-            t = [uploaded[i] for i in columns]
+            t = {name: uploaded[i] for name, i in columns.items()}
             return cls(
-                temperatures=t[0], top_p=t[1], top_k=t[2], min_p=t[3], seeds=t[4], counters=t[5],
+                temperatures=t["temperatures"], top_p=t["top_p"], top_k=t["top_k"], min_p=t["min_p"], seeds=t["seeds"],
+                counters=t["counters"],
                 is_greedy=greedy,
-                sampled_rows=t[7],
+                sampled_rows=t["sampled_rows"],
                 max_top_k=int(top_k[sampled].max()) if sampled.any() else 0,
                 need_top_p=bool((top_p[sampled] < 1.0).any()),
                 need_top_k=bool((top_k[sampled] < vocab_size).any()),
                 need_min_p=bool((min_p[sampled] > 0.0).any()),
                 max_top_logprobs=int(top_logprobs.max()) if len(rows) else 0,
                 want_logprobs=bool(table.logprobs[rows].any()),
-                rows=t[6],
-                penalized=t[8] if has_penalties else None,
-                repetition=t[9] if has_penalties else None,
-                frequency=t[10] if has_penalties else None,
-                presence=t[11] if has_penalties else None,
+                rows=t["rows"],
+                penalized=t.get("penalized"),
+                repetition=t.get("repetition"),
+                frequency=t.get("frequency"),
+                presence=t.get("presence"),
                 bias_index=(uploaded[bias[0]], uploaded[bias[1]]) if bias else None,
                 bias_values=uploaded[bias[2]] if bias else None,
                 min_rows=min_rows, min_tokens=min_tokens, min_counters=min_counters,

@@ -169,7 +169,7 @@ class BudgetSteering:
         if after.cost <= room - _SLACK_TOKENS:
             slack = room - _SLACK_TOKENS - after.cost
             grows = before is not None and after.cost > before.cost
-            new_word = in_string_before and state.in_string and text[:1].isspace() and saved[2] > 0
+            new_word = in_string_before and state.in_string and text[:1].isspace() and saved.string_chars > 0
             if slack >= self.margin or not (grows or new_word):
                 return None
             finishes = False
