@@ -44,11 +44,22 @@ def constraint_fields(req: Any) -> dict[str, Any]:
     return fields
 
 
+def new_token_limit(prompt_len: int, engine_info: dict[str, Any], requested: int | None, *, name: str,
+                    default: int | None = None) -> int:
+    """How many tokens a request may generate: ``requested`` once it fits after the prompt (the one
+    check, whose error names the field ``name``), else what the context's room and the server's
+    cap (``max_new_tokens_limit``) allow, and at most ``default`` when the route has one."""
+    room = context_room(prompt_len, engine_info["max_context_len"], requested, name=name)
+    if requested:
+        return requested
+    cap = engine_info.get("max_new_tokens_limit")
+    limit = room if cap is None else min(room, cap)
+    return limit if default is None else min(limit, default)
+
+
 def build_params(req: SamplingFields, prompt_len: int, engine_info: dict[str, Any], *, max_tokens: int | None,
                  logprobs: bool = False, top_logprobs: int = 0, seed_offset: int = 0,
                  constraint: dict[str, Any] | None = None) -> SamplingParams:
-    room = context_room(prompt_len, engine_info["max_context_len"], max_tokens, name="max_tokens")
-    cap = engine_info.get("max_new_tokens_limit")
     bias = None
     if req.logit_bias:
         try:
@@ -59,7 +70,7 @@ def build_params(req: SamplingFields, prompt_len: int, engine_info: dict[str, An
     # a field the request leaves out takes the model's generation_config value, then OpenAI's default
     model = engine_info.get("sampling_defaults") or {}
     return SamplingParams(
-        max_new_tokens=max_tokens or (room if cap is None else min(room, cap)),
+        max_new_tokens=new_token_limit(prompt_len, engine_info, max_tokens, name="max_tokens"),
         temperature=model.get("temperature", 1.0) if req.temperature is None else req.temperature,
         top_p=model.get("top_p", 1.0) if req.top_p is None else req.top_p,
         top_k=int(model.get("top_k", -1)) if req.top_k is None else req.top_k,

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from radixgen.api.jobs import ChoiceResult, apply, merge_streams, run_jobs
-from radixgen.api.params import build_params, check_model, constraint_fields
+from radixgen.api.params import build_params, check_model, constraint_fields, new_token_limit
 from radixgen.api.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -27,7 +27,7 @@ from radixgen.api.protocol import (
 from radixgen.api.sse import sse, stream_response
 from radixgen.engine.output import RequestOutput
 from radixgen.engine.params import SamplingParams
-from radixgen.errors import InvalidParamsError, PromptTooLongError
+from radixgen.errors import InvalidParamsError
 from radixgen.ipc.handle import EngineHandle
 from radixgen.templates import role_markers
 
@@ -158,14 +158,11 @@ async def generate(req: GenerateRequest, request: Request) -> Any:
         raise InvalidParamsError("give exactly one of text and input_ids")
     ids = _completion_prompts(state.tokenizer, req.text if req.text is not None else req.input_ids)[0]
     sp = dict(req.sampling_params)
-    max_new = sp.pop("max_new_tokens", None)
-    room = client.info["max_context_len"] - len(ids)
-    if max_new is not None and max_new > room:
-        raise PromptTooLongError(f"max_new_tokens {max_new} does not fit after the {len(ids)}-token prompt "
-                                 f"(context {client.info['max_context_len']}, max_context_len)")
+    # SGLang's native default: 128 new tokens when the request names none
+    max_new = new_token_limit(len(ids), client.info, sp.pop("max_new_tokens", None), name="max_new_tokens",
+                              default=128)
     try:
-        params = SamplingParams(max_new_tokens=max_new or min(room, 128, client.info.get("max_new_tokens_limit") or room),
-                                **sp)
+        params = SamplingParams(max_new_tokens=max_new, **sp)
     except TypeError as e:
         raise InvalidParamsError(f"sampling_params: {e}") from None
     rid = req.request_id or f"gen-{uuid.uuid4().hex[:24]}"

@@ -83,3 +83,13 @@ def test_a_schema_whose_requirement_no_backend_enforces_is_a_400_naming_it(serve
     ok = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={**body, "response_format": {
         "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "array", "items": {"const": 3}}}}})
     assert ok.status_code == 200, "the server goes on serving"
+
+
+def test_generate_checks_and_defaults_max_new_tokens_the_way_the_openai_routes_do(limited: LiveServer) -> None:
+    too_many = httpx.post(limited.url + "/generate", timeout=60, json={
+        "text": "go", "sampling_params": {"max_new_tokens": 10**6}})
+    assert too_many.status_code == 400, too_many.text
+    assert "max_new_tokens is 1000000 but only" in too_many.json()["error"]["message"]
+    # none named: SGLang's 128, but never past the server's cap (50 here)
+    unnamed = httpx.post(limited.url + "/generate", timeout=60, json={"text": "go", "sampling_params": {"ignore_eos": True}})
+    assert unnamed.status_code == 200 and unnamed.json()["meta"]["completion_tokens"] == 50, unnamed.text
