@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from radixgen.constraints.drafts import as_2020_12, validator_class
-from radixgen.constraints.number_search import anchored_numbers, small_numbers
+from radixgen.constraints.value_search import anchored_numbers, listed_literals, small_numbers
 
 Path = tuple[str | int, ...]
 RepeatedItems = Literal["unique", "all", "off"]
@@ -296,12 +296,12 @@ class Validation:
     """One request's validators over its JSON output."""
 
     SEARCH_AFTER = 2
-    """A number rejected this many times at one path is replaced by a searched valid value: its
-    validators (multipleOf chains under not / oneOf, ...) are outside what the grammar enforces,
-    and the model's digits rarely land on the few valid values by resampling."""
+    """A value rejected this many times at one path is replaced by a searched valid one: its
+    validators (multipleOf chains under not / oneOf, an if / then over listed arrays, ...) are
+    outside what the grammar enforces, and resampling rarely lands on the few valid values."""
     SEARCH_INTEGERS, SEARCH_TENTHS, SEARCH_ANCHORED = 4_000, 1_000, 6_000
     """Candidates tried at most: integers within 2,000 of 0, then tenths within 50, then numbers
-    anchored on the schema's multipleOf values and bounds (constraints/number_search.py). The
+    anchored on the schema's multipleOf values and bounds (constraints/value_search.py). The
     search runs on the engine's loop thread: ~0.3 s for the first 5,000 when none fits."""
 
     def __init__(
@@ -312,7 +312,7 @@ class Validation:
         self.repeated_items = repeated_items
         self.scanner = JsonScanner()
         self._items: dict[Path, list[str]] = {}  # array path -> its completed items (canonical JSON)
-        self._number_rejections: dict[Path, int] = {}  # kept across rollbacks
+        self._rejections: dict[Path, int] = {}  # kept across rollbacks
 
     settled = 0
     """Chars of the output no rejection can reach back into: none, the whole value is checked
@@ -347,13 +347,26 @@ class Validation:
         return None
 
     def _replacement(self, value: CompletedValue) -> str | None:
-        if not _is_number(value.value):
-            return None
-        count = self._number_rejections[value.path] = self._number_rejections.get(value.path, 0) + 1
+        count = self._rejections[value.path] = self._rejections.get(value.path, 0) + 1
         if count < self.SEARCH_AFTER:
             return None  # the model's own next choice first
-        found = self.search_number(value)
-        return None if found is None else json.dumps(found)
+        if _is_number(value.value):
+            found = self.search_number(value)
+            return None if found is None else json.dumps(found)
+        literal = self.search_literal(value)
+        return None if literal is None else json.dumps(literal[0], ensure_ascii=False)
+
+    def search_literal(self, rejected: CompletedValue) -> tuple[Any] | None:
+        """The first value the schema lists for ``rejected``'s path (``enum`` / ``const``, through
+        its combinators) that every validator accepts, as a 1-tuple (the value may be None);
+        None when the schema lists none there or none passes."""
+        if self.schema is None:
+            return None
+        node = self.schema.root if not rejected.path else resolve_subschema(self.schema.root, rejected.path)
+        for candidate in listed_literals(node, self.schema.root):
+            if candidate != rejected.value and self._accepts(rejected, candidate):
+                return (candidate,)
+        return None
 
     def search_number(self, rejected: CompletedValue) -> int | float | None:
         """The first number every validator of ``rejected``'s path accepts, smallest magnitude
@@ -371,7 +384,7 @@ class Validation:
                 return candidate
         return None
 
-    def _accepts(self, rejected: CompletedValue, candidate: int | float) -> bool:
+    def _accepts(self, rejected: CompletedValue, candidate: Any) -> bool:
         try:
             return self._check(CompletedValue(rejected.path, rejected.start, rejected.end, candidate)) is None
         except UserValidatorError:

@@ -166,6 +166,18 @@ def test_a_searched_root_number_ends_the_output(make_engine: Callable[..., Engin
     assert out.constraint.searched_values == 1
 
 
+def test_a_listed_value_the_grammar_cannot_check_is_searched_among_the_literals(
+    make_engine: Callable[..., Engine],
+) -> None:
+    # the grammar writes one of the listed arrays; the if / then it leaves out allows only [3, 4]
+    engine = make_engine(grammar_backend="llguidance")
+    schema = {"type": "array", "enum": [[1], [1, 2], [3, 4], [5]], "if": {"minItems": 1},
+              "then": {"minItems": 2, "items": {"minimum": 3}}}
+    out = engine.generate("List:", SamplingParams(max_new_tokens=40, temperature=0, json_schema=schema))
+    assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.text, out.error)
+    assert json.loads(out.text) == [3, 4] and out.constraint is not None and out.constraint.valid
+
+
 def test_what_a_lenient_grammar_leaves_out_is_reported(make_engine: Callable[..., Engine]) -> None:
     engine = make_engine(grammar_backend="llguidance")
     out = engine.generate("Number:", SamplingParams(max_new_tokens=40, temperature=0, json_schema=CHAINED))

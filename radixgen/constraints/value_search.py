@@ -1,15 +1,19 @@
-"""Candidate numbers for the validators' search (``Validation.search_number``).
+"""Candidate values for the validators' search (``Validation.search_number`` / ``search_literal``).
 
-A number whose validators the grammar cannot enforce (``multipleOf`` chains under ``not`` /
-``anyOf`` / ``oneOf``, bounds combined with them) is replaced by the first candidate its
-validators accept. Candidates come in two kinds: small numbers around 0 (the shortest answers),
-and numbers anchored on the schema's own figures: multiples of the least common multiples of
-its ``multipleOf`` values, taken near 0 and near each of its bounds, so that "an odd multiple of
-385 below -100000" is among them although it is far from 0.
+A value whose validators the grammar cannot enforce, rejected more than once at one path, is
+replaced by the first candidate its validators accept. For a number (``multipleOf`` chains under
+``not`` / ``anyOf`` / ``oneOf``, bounds combined with them) the candidates are small numbers
+around 0 (the shortest answers), then numbers anchored on the schema's own figures: multiples of
+the least common multiples of its ``multipleOf`` values, taken near 0 and near each of its
+bounds, so that "an odd multiple of 385 below -100000" is among them although it is far from 0.
+For any other value they are the literals the schema lists for it (``enum`` / ``const`` in its
+subschema and its combinators: an array that must be one of a few listed arrays and also pass
+an ``if`` / ``then`` the grammar leaves out).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from fractions import Fraction
@@ -58,6 +62,49 @@ def anchored_numbers(schema: Any, limit: int) -> list[int | float]:
         found.update(bound + d for d in range(-20, 21))
     ordered = sorted((f for f in found if abs(f) <= MAX_MAGNITUDE), key=lambda f: (abs(f), f < 0))
     return [_as_json_number(f) for f in ordered[:limit]]
+
+
+MAX_LITERALS = 256
+"""Listed literals tried at most."""
+
+
+def listed_literals(node: Any, root: Any) -> list[Any]:
+    """The ``const`` and ``enum`` values that ``node`` (a subschema of ``root``) lists for its own
+    value, through its allOf / anyOf / oneOf members and local references (not into properties or
+    items: those list their children's values), each once, in the order met."""
+    found: list[Any] = []
+    seen: set[str] = set()
+    stack, visited = [node], 0
+    while stack and visited < 1_000 and len(found) < MAX_LITERALS:
+        current = stack.pop()
+        visited += 1
+        if not isinstance(current, dict):
+            continue
+        ref = current.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            stack.append(_resolve(root, ref))
+        listed = ([current["const"]] if "const" in current else []) + (
+            current["enum"] if isinstance(current.get("enum"), list) else [])
+        for value in listed:
+            key = json.dumps(value, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                found.append(value)
+        for keyword in ("allOf", "anyOf", "oneOf"):
+            members = current.get(keyword)
+            if isinstance(members, list):
+                stack.extend(reversed(members))
+    return found[:MAX_LITERALS]
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    target = root
+    for part in ref[2:].split("/") if ref != "#" else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(target, dict) or part not in target:
+            return None
+        target = target[part]
+    return target
 
 
 def _numeric_keywords(schema: Any) -> tuple[list[Fraction], list[Fraction]]:
