@@ -42,10 +42,15 @@ class ChoiceResult:
     constraint: ConstraintReport | None = None
 
 
-def usage(results: list[ChoiceResult]) -> Usage:
-    prompt = results[0].prompt_tokens if results else 0
+def usage(results: list[ChoiceResult], choices_per_prompt: int | None = None) -> Usage:
+    """The token counts of an answer's choices, for every route: each prompt counted once (its
+    ``choices_per_prompt`` choices come in a row and share it; None: all choices share one
+    prompt), with its cached tokens as its best choice's."""
+    per_prompt = choices_per_prompt or max(len(results), 1)
+    groups = [results[i : i + per_prompt] for i in range(0, len(results), per_prompt)]
+    prompt = sum(group[0].prompt_tokens for group in groups)
+    cached = sum(max(r.cached_tokens for r in group) for group in groups)
     completion = sum(len(r.token_ids) for r in results)
-    cached = max((r.cached_tokens for r in results), default=0)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 

@@ -13,16 +13,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from radixgen.api.jobs import ChoiceResult, apply, merge_streams, run_jobs
+from radixgen.api.jobs import ChoiceResult, apply, merge_streams, run_jobs, usage
 from radixgen.api.params import build_params, check_model, constraint_fields, new_token_limit
 from radixgen.api.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     GenerateRequest,
-    PromptTokensDetails,
     TokenizeRequest,
-    Usage,
 )
 from radixgen.api.sse import sse, stream_response
 from radixgen.engine.output import RequestOutput
@@ -97,10 +95,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
         choices.append(CompletionChoice(index=i, text=text, finish_reason=r.finish_reason, logprobs=lp,
                                         shortened=r.shortened or None, constraint_warnings=r.constraint_warnings,
                                         constraint=r.constraint))
-    usage = Usage(prompt_tokens=sum(len(ids) for ids in prompts), completion_tokens=sum(len(r.token_ids) for r in results),
-                  total_tokens=0, prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in results)))
-    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-    return CompletionResponse(id=base_id, model=model, choices=choices, usage=usage)
+    return CompletionResponse(id=base_id, model=model, choices=choices, usage=usage(results, req.n))
 
 
 def _completion_stream(request: Request, req: CompletionRequest, jobs: list[tuple[str, list[int], SamplingParams]],
@@ -137,11 +132,8 @@ def _completion_stream(request: Request, req: CompletionRequest, jobs: list[tupl
                                             if out.finished and results[i].constraint_warnings else {}),
                                          **_report(results[i] if out.finished else None)}]})
         if req.stream_options is not None and req.stream_options.include_usage:
-            prompt = sum(len(ids) for _, ids, _ in jobs[:: max(req.n, 1)])
-            completion = sum(len(r.token_ids) for r in results)
             yield sse({"id": base_id, "object": "text_completion", "created": created, "model": model, "choices": [],
-                        "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                                  "total_tokens": prompt + completion}})
+                        "usage": usage(results, req.n).model_dump(exclude_none=True)})
         yield sse("[DONE]")
 
     return stream_response(request, "completions", results, started, body())

@@ -32,8 +32,14 @@ from openai.types.responses.response_usage import InputTokensDetails, OutputToke
 
 from radixgen.api.chat import OutputReader
 from radixgen.api.chat_plan import ChatPlan, plan_chat
-from radixgen.api.jobs import ChoiceResult, apply, merge_streams, run_jobs
-from radixgen.api.protocol import ChatCompletionRequest, DeltaMessage, ResponsesRequest, ToolCall
+from radixgen.api.jobs import ChoiceResult, apply, merge_streams, run_jobs, usage
+from radixgen.api.protocol import (
+    ChatCompletionRequest,
+    DeltaMessage,
+    ResponsesRequest,
+    ToolCall,
+    Usage,
+)
 from radixgen.api.sse import sse, stream_response
 from radixgen.errors import InvalidParamsError
 
@@ -175,11 +181,17 @@ def _response(req: ResponsesRequest, plan: ChatPlan, result: ChoiceResult, outpu
         parallel_tool_calls=req.parallel_tool_calls is not False, previous_response_id=req.previous_response_id,
         temperature=req.temperature, top_p=req.top_p, tool_choice=_tool_choice(req), tools=req.tools or [],  # type: ignore[arg-type]
         text=req.text or {"format": {"type": "text"}},  # type: ignore[arg-type]
-        usage=ResponseUsage(input_tokens=result.prompt_tokens, output_tokens=len(result.token_ids),
-                            total_tokens=result.prompt_tokens + len(result.token_ids),
-                            input_tokens_details=InputTokensDetails(cached_tokens=result.cached_tokens, cache_write_tokens=0),
-                            output_tokens_details=OutputTokensDetails(reasoning_tokens=0)),
+        usage=_response_usage(usage([result])),
     )
+
+
+def _response_usage(counted: Usage) -> ResponseUsage:
+    """The Responses API's names for the counts every route computes (``jobs.usage``)."""
+    cached = counted.prompt_tokens_details.cached_tokens if counted.prompt_tokens_details is not None else 0
+    return ResponseUsage(input_tokens=counted.prompt_tokens, output_tokens=counted.completion_tokens,
+                         total_tokens=counted.total_tokens,
+                         input_tokens_details=InputTokensDetails(cached_tokens=cached or 0, cache_write_tokens=0),
+                         output_tokens_details=OutputTokensDetails(reasoning_tokens=0))
 
 
 def _tool_choice(req: ResponsesRequest) -> Any:

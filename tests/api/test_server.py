@@ -795,3 +795,18 @@ def test_streams_carry_top_logprobs_and_every_choice_of_n(server: LiveServer) ->
         expected = [(t.token, round(t.logprob, 4), [(x.token, round(x.logprob, 4)) for x in t.top_logprobs])
                     for t in choice.logprobs.content]
         assert streamed == expected and all(len(top) == 3 for _, _, top in streamed)
+
+
+def test_usage_counts_each_prompt_once_streamed_or_not(server: LiveServer) -> None:
+    prompts = ["Hello there", "Count: one, two"]
+    lengths = httpx.post(server.url + "/tokenize", json={"text": prompts}, timeout=60).json()["tokens"]
+    body = {"model": "tiny", "prompt": prompts, "n": 2, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["usage"]
+    assert whole["prompt_tokens"] == sum(len(ids) for ids in lengths), "each prompt once, not once per choice"
+    assert whole["completion_tokens"] == 12 and whole["total_tokens"] == whole["prompt_tokens"] + 12
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = [c["usage"] for c in chunks if c.get("usage")]
+    assert len(streamed) == 1 and {k: streamed[0][k] for k in whole if k != "prompt_tokens_details"} == {
+        k: v for k, v in whole.items() if k != "prompt_tokens_details"}
