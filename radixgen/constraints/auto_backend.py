@@ -20,7 +20,7 @@ import logging
 from radixgen.constraints.backend import Grammar, GrammarBackend
 from radixgen.constraints.drafts import as_2020_12
 from radixgen.constraints.spec import ConstraintSpec
-from radixgen.constraints.structural import structural_parts
+from radixgen.constraints.structural import structural_parts, structure_of
 from radixgen.constraints.xgrammar_subset import within_xgrammar_subset
 from radixgen.errors import InvalidConstraintError
 
@@ -39,7 +39,7 @@ class AutoBackend(GrammarBackend):
         """The backends to try for ``spec``, best first."""
         order = ["xgrammar", "llguidance"]
         schemas = ([spec.schema()] if spec.kind == "json_schema" else
-                   [schema for _, schema in structural_parts(spec.structure())] if spec.kind == "structural" else [])
+                   [schema for _, schema in structural_parts(structure_of(spec))] if spec.kind == "structural" else [])
         if not all(within_xgrammar_subset(as_2020_12(schema)) for schema in schemas):
             order.reverse()
         return [self.backends[name] for name in order if name in self.backends]

@@ -12,25 +12,25 @@ whose end the scanner reports. A rejection's offset is in the whole output's tex
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 from radixgen.constraints.events import Rejection, RepeatedItems, SchemaValidators, Validation
+from radixgen.constraints.structural import Structure
 
 
 class StructuralValidation:
     """One request's validators over a structural output (the ``Validation`` interface)."""
 
-    def __init__(self, structure: dict[str, Any], validators: dict[str | None, SchemaValidators],
+    def __init__(self, structure: Structure, validators: dict[str | None, SchemaValidators],
                  repeated_items: RepeatedItems = "unique") -> None:
         """``validators`` maps a tool's name (None: the JSON answer) to its schema's validators;
         parts without an entry are not checked."""
         self._structure, self._validators, self._repeats = structure, validators, repeated_items
-        calls = structure.get("tool_calls")
-        self._trigger: str | None = calls["trigger"] if calls else None
-        self._openers = [(c["begin"], c["name"]) for c in calls["calls"]] if calls else []
-        self._ends = {c["name"]: c["end"] for c in calls["calls"]} if calls else {}
-        self._separator: str | None = calls.get("separator") if calls else None
-        self._block_end: str = calls["block_end"] if calls else ""
+        calls = structure.tool_calls
+        self._trigger: str | None = calls.trigger if calls else None
+        self._openers = [(c.begin, c.name) for c in calls.calls] if calls else []
+        self._ends = {c.name: c.end for c in calls.calls} if calls else {}
+        self._separator: str | None = calls.separator if calls else None
+        self._block_end: str = calls.block_end if calls else ""
         self.reset("")
 
     def reset(self, text: str) -> None:
@@ -38,7 +38,7 @@ class StructuralValidation:
         accepted before."""
         self.text = ""
         self._pos = 0  # where the search for the next marker resumes
-        self._state = "reasoning" if "reasoning" in self._structure else "start"
+        self._state = "reasoning" if self._structure.reasoning is not None else "start"
         self._part: Validation | None = None
         self._part_start = 0
         self._part_name: str | None = None
@@ -87,7 +87,8 @@ class StructuralValidation:
         """Move past markers to the next JSON part; True when one opened."""
         text = self.text
         if self._state == "reasoning":
-            end_marker = self._structure["reasoning"]["end"]
+            assert self._structure.reasoning is not None
+            end_marker = self._structure.reasoning.end
             end = text.find(end_marker, self._pos)
             if end < 0:
                 return False
@@ -101,7 +102,7 @@ class StructuralValidation:
                 if len(rest) < len(trigger):
                     return False  # maybe the trigger: wait for more
                 self._state = "text"
-            elif "json_schema" in self._structure:
+            elif self._structure.json_schema is not None:
                 self._state = "answer"
                 self._open(len(text) - len(rest), None)
                 return True
@@ -110,11 +111,11 @@ class StructuralValidation:
         if self._state == "after_call":
             # the call's end, then another call of the block or the block's end (text may follow)
             rest = text[self._pos:]
-            end = self._ends[self._part_name or ""]
-            if self._separator is not None and rest.startswith(end + self._separator):
-                self._pos, self._state = self._pos + len(end + self._separator), "block"
-            elif rest.startswith(end + self._block_end):
-                self._pos, self._state = self._pos + len(end + self._block_end), "text"
+            call_end = self._ends[self._part_name or ""]
+            if self._separator is not None and rest.startswith(call_end + self._separator):
+                self._pos, self._state = self._pos + len(call_end + self._separator), "block"
+            elif rest.startswith(call_end + self._block_end):
+                self._pos, self._state = self._pos + len(call_end + self._block_end), "text"
             else:
                 return False  # not all written yet
         if self._state == "text":

@@ -12,7 +12,7 @@ import numpy as np
 from radixgen.constraints.backend import Grammar, GrammarBackend, Matcher
 from radixgen.constraints.schema_rewrite import DEFAULT_OPTIONS, GrammarOptions, grammar_schema
 from radixgen.constraints.spec import ConstraintSpec
-from radixgen.constraints.structural import llguidance_structural_lark
+from radixgen.constraints.structural import llguidance_structural_lark, structure_of
 from radixgen.errors import InvalidConstraintError
 
 try:
@@ -104,7 +104,7 @@ class LLGuidanceBackend(GrammarBackend):
     def compile(self, spec: ConstraintSpec) -> Grammar:
         if spec.kind == "structural":
             grammar = llguidance.LLMatcher.grammar_from_lark(llguidance_structural_lark(
-                spec.structure(), self.options, _JSON_OPTIONS, self._special_ids.get))
+                structure_of(spec), self.options, _JSON_OPTIONS, self._special_ids.get))
         elif spec.kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(spec.value)
         elif spec.kind == "choices":

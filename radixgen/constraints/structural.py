@@ -22,8 +22,10 @@ it: ``{"name": "get_weather", "arguments": ``) + arguments JSON + ``end``.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from radixgen.constraints.schema_rewrite import GrammarOptions, grammar_schema
@@ -35,8 +37,69 @@ _JSON_WHITESPACE = 1
 arguments with newlines until max_tokens."""
 
 
+@dataclass(frozen=True)
+class CallSpec:
+    """One tool's call: ``begin`` (its name is in it) + arguments matching ``schema`` + ``end``."""
+
+    name: str
+    begin: str
+    end: str
+    schema: Any
+
+
+@dataclass(frozen=True)
+class ToolCalls:
+    trigger: str
+    """What the model writes to start a call block (a prefix of ``block_begin``)."""
+    block_begin: str
+    block_end: str
+    calls: tuple[CallSpec, ...]
+    separator: str | None = None
+    """Between the calls of one block (None: one call per block)."""
+    min_calls: int = 0
+    max_calls: int | None = None
+    free_text: bool = True
+    """Text may come before and between the blocks (False: calls only)."""
+
+
+@dataclass(frozen=True)
+class ReasoningSection:
+    begin: str
+    end: str
+
+
+@dataclass(frozen=True)
+class Structure:
+    """A structural constraint, parsed once from its dict form (the module docstring)."""
+
+    tool_calls: ToolCalls | None
+    json_schema: Any | None
+    """The JSON answer's schema (None: no JSON answer)."""
+    reasoning: ReasoningSection | None
+
+
 def structural_spec(structure: Any) -> ConstraintSpec:
     """Check a structure (see the module docstring) and key it by its canonical JSON."""
+    parsed = parse_structure(structure)
+    depth = schema_spec(parsed.json_schema).depth if parsed.json_schema is not None else 0
+    for call in parsed.tool_calls.calls if parsed.tool_calls is not None else ():
+        depth = max(depth, schema_spec(call.schema).depth)
+    return ConstraintSpec("structural", json.dumps(structure, separators=(",", ":")), depth)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(value: str) -> Structure:
+    return parse_structure(json.loads(value))
+
+
+def structure_of(spec: ConstraintSpec) -> Structure:
+    """A structural spec's structure, parsed once per distinct spec."""
+    assert spec.kind == "structural"
+    return _parsed(spec.value)
+
+
+def parse_structure(structure: Any) -> Structure:
+    """The dict form checked, as a ``Structure``; a clear error naming the field otherwise."""
     if not isinstance(structure, dict):
         raise InvalidConstraintError(f"structural must be an object, got {type(structure).__name__}")
     unknown = set(structure) - {"reasoning", "tool_calls", "json_schema"}
@@ -46,41 +109,48 @@ def structural_spec(structure: Any) -> ConstraintSpec:
     if "tool_calls" not in structure and "json_schema" not in structure:
         raise InvalidConstraintError("structural needs tool_calls, json_schema, or both (a call block or the "
                                      "JSON answer)")
-    depth = 0
     reasoning = structure.get("reasoning")
     if reasoning is not None:
         _strings(reasoning, "structural.reasoning", ("begin", "end"))
         if not reasoning["end"]:
             raise InvalidConstraintError("structural.reasoning.end must be a non-empty marker")
-    if "json_schema" in structure:
-        depth = schema_spec(structure["json_schema"]).depth
-    if "tool_calls" in structure:
-        calls = structure["tool_calls"]
-        _strings(calls, "structural.tool_calls", ("trigger", "block_begin", "block_end"))
-        begins_with_trigger = not calls["block_begin"] or calls["block_begin"].startswith(calls["trigger"])
-        if not calls["trigger"] or not begins_with_trigger:
-            raise InvalidConstraintError("structural.tool_calls.trigger must be a non-empty prefix of block_begin")
-        if not isinstance(calls.get("calls"), list) or not calls["calls"]:
-            raise InvalidConstraintError("structural.tool_calls.calls must be a non-empty list")
-        for i, call in enumerate(calls["calls"]):
-            _strings(call, f"structural.tool_calls.calls[{i}]", ("name", "begin", "end"))
-            depth = max(depth, schema_spec(call.get("schema", {})).depth)
-            if not calls["block_begin"] and not call["begin"].startswith(calls["trigger"]):
-                raise InvalidConstraintError(f"structural.tool_calls.calls[{i}].begin must start with the trigger")
-        if calls.get("min_calls", 0) not in (0, 1) or calls.get("max_calls") not in (None, 1):
-            raise InvalidConstraintError("structural.tool_calls: min_calls is 0 or 1, max_calls 1 or null")
-        if "json_schema" in structure and calls.get("free_text", True):
-            raise InvalidConstraintError("structural.tool_calls.free_text must be false next to json_schema: "
-                                         "the output is a call block or the JSON answer")
-    return ConstraintSpec("structural", json.dumps(structure, separators=(",", ":")), depth)
+    json_schema = structure.get("json_schema")
+    if "json_schema" in structure and json_schema is None:
+        raise InvalidConstraintError("structural.json_schema must be a schema, got null")
+    tool_calls = _parse_tool_calls(structure["tool_calls"]) if "tool_calls" in structure else None
+    if tool_calls is not None and json_schema is not None and tool_calls.free_text:
+        raise InvalidConstraintError("structural.tool_calls.free_text must be false next to json_schema: "
+                                     "the output is a call block or the JSON answer")
+    return Structure(tool_calls, json_schema,
+                     ReasoningSection(reasoning["begin"], reasoning["end"]) if reasoning is not None else None)
 
 
-def structural_parts(structure: dict[str, Any]) -> list[tuple[str | None, Any]]:
+def _parse_tool_calls(calls: Any) -> ToolCalls:
+    _strings(calls, "structural.tool_calls", ("trigger", "block_begin", "block_end"))
+    begins_with_trigger = not calls["block_begin"] or calls["block_begin"].startswith(calls["trigger"])
+    if not calls["trigger"] or not begins_with_trigger:
+        raise InvalidConstraintError("structural.tool_calls.trigger must be a non-empty prefix of block_begin")
+    if not isinstance(calls.get("calls"), list) or not calls["calls"]:
+        raise InvalidConstraintError("structural.tool_calls.calls must be a non-empty list")
+    formats = []
+    for i, call in enumerate(calls["calls"]):
+        _strings(call, f"structural.tool_calls.calls[{i}]", ("name", "begin", "end"))
+        if not calls["block_begin"] and not call["begin"].startswith(calls["trigger"]):
+            raise InvalidConstraintError(f"structural.tool_calls.calls[{i}].begin must start with the trigger")
+        formats.append(CallSpec(call["name"], call["begin"], call["end"], call.get("schema", {})))
+    if calls.get("min_calls", 0) not in (0, 1) or calls.get("max_calls") not in (None, 1):
+        raise InvalidConstraintError("structural.tool_calls: min_calls is 0 or 1, max_calls 1 or null")
+    return ToolCalls(calls["trigger"], calls["block_begin"], calls["block_end"], tuple(formats),
+                     calls.get("separator"), calls.get("min_calls", 0), calls.get("max_calls"),
+                     bool(calls.get("free_text", True)))
+
+
+def structural_parts(structure: Structure) -> list[tuple[str | None, Any]]:
     """The JSON parts of a structure with their schemas: the answer (named None) and each tool's
     arguments (named by the tool)."""
-    answer = [(None, structure["json_schema"])] if "json_schema" in structure else []
-    calls = structure.get("tool_calls", {}).get("calls", [])
-    return answer + [(call["name"], call.get("schema", {})) for call in calls]
+    answer = [(None, structure.json_schema)] if structure.json_schema is not None else []
+    calls = structure.tool_calls.calls if structure.tool_calls is not None else ()
+    return answer + [(call.name, call.schema) for call in calls]
 
 
 def _strings(part: Any, where: str, names: tuple[str, ...]) -> None:
@@ -88,7 +158,7 @@ def _strings(part: Any, where: str, names: tuple[str, ...]) -> None:
         raise InvalidConstraintError(f"{where} must be an object with string fields {', '.join(names)}")
 
 
-def xgrammar_structural_tag(structure: dict[str, Any], options: GrammarOptions) -> dict[str, Any]:
+def xgrammar_structural_tag(structure: Structure, options: GrammarOptions) -> dict[str, Any]:
     """The structure as xgrammar's structural tag (its triggered tags express the free text
     that a trigger ends; tags_with_separator the calls of one block)."""
 
@@ -96,35 +166,34 @@ def xgrammar_structural_tag(structure: dict[str, Any], options: GrammarOptions) 
         return {"type": "json_schema", "json_schema": grammar_schema(schema, options),
                 "max_whitespace_cnt": _JSON_WHITESPACE}
 
-    answer = json_format(structure["json_schema"]) if "json_schema" in structure else None
+    answer = json_format(structure.json_schema) if structure.json_schema is not None else None
     body = answer
-    if "tool_calls" in structure:
-        spec = structure["tool_calls"]
-        single = spec.get("max_calls") == 1
+    spec = structure.tool_calls
+    if spec is not None:
+        single = spec.max_calls == 1
 
-        def call_tag(call: dict[str, Any], before: str = "", after: str = "") -> dict[str, Any]:
-            return {"type": "tag", "begin": before + call["begin"], "content": json_format(call.get("schema", {})),
-                    "end": call["end"] + after}
+        def call_tag(call: CallSpec, before: str = "", after: str = "") -> dict[str, Any]:
+            return {"type": "tag", "begin": before + call.begin, "content": json_format(call.schema),
+                    "end": call.end + after}
 
-        if spec.get("separator") is not None:
-            calls = {"type": "tags_with_separator", "tags": [call_tag(c) for c in spec["calls"]],
-                     "separator": spec["separator"], "at_least_one": True, "stop_after_first": single}
-            blocks = [{"type": "tag", "begin": spec["block_begin"], "content": calls, "end": spec["block_end"]}]
+        if spec.separator is not None:
+            calls = {"type": "tags_with_separator", "tags": [call_tag(c) for c in spec.calls],
+                     "separator": spec.separator, "at_least_one": True, "stop_after_first": single}
+            blocks = [{"type": "tag", "begin": spec.block_begin, "content": calls, "end": spec.block_end}]
             one_block = True
         else:
-            blocks = [call_tag(c, spec["block_begin"], spec["block_end"]) for c in spec["calls"]]
+            blocks = [call_tag(c, spec.block_begin, spec.block_end) for c in spec.calls]
             one_block = single
-        body = {"type": "triggered_tags", "triggers": [spec["trigger"]], "tags": blocks,
-                "at_least_one": bool(spec.get("min_calls", 0)) or not spec.get("free_text", True),
-                "stop_after_first": one_block}
+        body = {"type": "triggered_tags", "triggers": [spec.trigger], "tags": blocks,
+                "at_least_one": bool(spec.min_calls) or not spec.free_text, "stop_after_first": one_block}
         if answer is not None:
             body = {"type": "or", "elements": [body, answer]}
-    reasoning = structure.get("reasoning")
+    reasoning = structure.reasoning
     if reasoning is not None:
         body = {"type": "sequence", "elements": [
             # thinking models leave a blank line or two after the section
-            {"type": "tag", "begin": reasoning["begin"], "content": {"type": "any_text"},
-             "end": [reasoning["end"] + "\n\n", reasoning["end"] + "\n", reasoning["end"]]},
+            {"type": "tag", "begin": reasoning.begin, "content": {"type": "any_text"},
+             "end": [reasoning.end + "\n\n", reasoning.end + "\n", reasoning.end]},
             body]}
     return {"type": "structural_tag", "format": body}
 
@@ -138,7 +207,7 @@ def _free_text_lark(trigger: str, trigger_is_a_token: bool) -> tuple[list[str], 
             f"TEXT: /(?s:.+)/ & ~(/(?s:.*)/ {trigger} /(?s:.*)/)"], "text_to_trigger"
 
 
-def llguidance_structural_lark(structure: dict[str, Any], options: GrammarOptions, json_options: dict[str, Any],
+def llguidance_structural_lark(structure: Structure, options: GrammarOptions, json_options: dict[str, Any],
                                special_token_id: Callable[[str], int | None]) -> str:
     """The structure as an llguidance Lark grammar. Free text is a lazy lexeme that ends with
     the trigger (llguidance's lexer is greedy, so text and a call opener that could both go on
@@ -166,50 +235,50 @@ def llguidance_structural_lark(structure: dict[str, Any], options: GrammarOption
     def seq(*parts: str) -> str:
         return " ".join(p for p in parts if p)
 
-    body = json_rule("answer", structure["json_schema"]) if "json_schema" in structure else ""
-    if "tool_calls" in structure:
-        spec = structure["tool_calls"]
-        trigger, head = spec["trigger"], spec["block_begin"]
-        single = spec.get("max_calls") == 1
+    body = json_rule("answer", structure.json_schema) if structure.json_schema is not None else ""
+    spec = structure.tool_calls
+    if spec is not None:
+        trigger, head = spec.trigger, spec.block_begin
+        single = spec.max_calls == 1
 
         def calls_rule(name: str, strip_trigger: bool, before: str = "", after: str = "") -> str:
             alternatives = []
-            for i, call in enumerate(spec["calls"]):
-                opener = before + call["begin"]
+            for i, call in enumerate(spec.calls):
+                opener = before + call.begin
                 opener = opener[len(trigger):] if strip_trigger else opener
-                alternatives.append(seq(literal(opener), json_rule(f"{name}_args_{i}", call.get("schema", {})),
-                                        literal(call["end"] + after)))
+                alternatives.append(seq(literal(opener), json_rule(f"{name}_args_{i}", call.schema),
+                                        literal(call.end + after)))
             rules.append(f"{name}: " + " | ".join(alternatives))
             return name
 
         # a block whose trigger has been written already
-        if spec.get("separator") is not None:
+        if spec.separator is not None:
             call = calls_rule("call", False)
             first = call if head else calls_rule("first_call", True)
-            more = "" if single else f"({seq(literal(spec['separator']), call)})*"
-            rules.append("block: " + seq(literal(head[len(trigger):]), first, more, literal(spec["block_end"])))
+            more = "" if single else f"({seq(literal(spec.separator), call)})*"
+            rules.append("block: " + seq(literal(head[len(trigger):]), first, more, literal(spec.block_end)))
             one_block = True
         else:
-            calls_rule("block", True, head, spec["block_end"])
+            calls_rule("block", True, head, spec.block_end)
             one_block = single
         text_rules, to_trigger = _free_text_lark(literal(trigger), special_token_id(trigger) is not None)
         rules += text_rules
         opened = f"{literal(trigger)} block"
-        if not spec.get("free_text", True):
+        if not spec.free_text:
             calls = opened if one_block else f"{opened} (/[ \\n]/? {opened})*"
         else:
             rest = "" if one_block else f"({to_trigger} block)* TEXT?"
-            if spec.get("min_calls", 0):
+            if spec.min_calls:
                 calls = seq(opened, rest)
             else:
                 calls = f"TEXT? | {to_trigger} block" if one_block else rest
         rules.append(f"calls: {calls}")
         body = f"calls | {body}" if body else "calls"
-    reasoning = structure.get("reasoning")
+    reasoning = structure.reasoning
     if reasoning is not None:
-        rules.append(f"thinking[suffix={literal(reasoning['end'])}]: /(?s:.*)/")
+        rules.append(f"thinking[suffix={literal(reasoning.end)}]: /(?s:.*)/")
         # thinking models leave a blank line or two after the section
-        rules.append(f"reasoning: {literal(reasoning['begin'])} thinking /\\n\\n?/?")
+        rules.append(f"reasoning: {literal(reasoning.begin)} thinking /\\n\\n?/?")
         rules.append(f"after_reasoning: {body}")
         body = "reasoning after_reasoning"
     return "\n".join([f"start: {body}", *rules])

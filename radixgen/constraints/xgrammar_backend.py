@@ -13,7 +13,7 @@ from radixgen.constraints.backend import Grammar, GrammarBackend, Matcher
 from radixgen.constraints.drafts import as_2020_12
 from radixgen.constraints.schema_rewrite import DEFAULT_OPTIONS, GrammarOptions, grammar_schema
 from radixgen.constraints.spec import ConstraintSpec
-from radixgen.constraints.structural import structural_parts, xgrammar_structural_tag
+from radixgen.constraints.structural import structural_parts, structure_of, xgrammar_structural_tag
 from radixgen.constraints.xgrammar_subset import (
     readable_by_xgrammar,
     within_xgrammar_subset,
@@ -124,7 +124,7 @@ class XGrammarBackend(GrammarBackend):
                 )
             elif spec.kind == "structural":
                 compiled = self._compiler.compile_structural_tag(
-                    xgrammar_structural_tag(spec.structure(), self.options))
+                    xgrammar_structural_tag(structure_of(spec), self.options))
             else:
                 compiled = self._compiler.compile_regex(spec.pattern())
         except (RuntimeError, ValueError, xgr.InvalidStructuralTagError) as e:
@@ -135,6 +135,6 @@ class XGrammarBackend(GrammarBackend):
             as_2020_12(spec.schema()))
         if spec.kind == "structural":
             grammar.parts_enforced_exactly = frozenset(
-                name for name, schema in structural_parts(spec.structure())
+                name for name, schema in structural_parts(structure_of(spec))
                 if xgrammar_enforces_exactly(as_2020_12(schema)))
         return grammar

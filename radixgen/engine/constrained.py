@@ -28,7 +28,7 @@ from radixgen.constraints.events import SchemaValidators, Validation
 from radixgen.constraints.mask import ALL_ALLOWED, ban_tokens
 from radixgen.constraints.spec import ConstraintSpec
 from radixgen.constraints.state import ConstraintState, ForcedMismatch
-from radixgen.constraints.structural import structural_parts
+from radixgen.constraints.structural import structural_parts, structure_of
 from radixgen.engine.plan import StepPlan
 from radixgen.engine.request import Request
 from radixgen.engine.sampler import logprob_parts
@@ -117,7 +117,7 @@ class ConstrainedDecoding:
     def _validation(self, req: Request, grammar: Grammar) -> Validation | StructuralValidation | None:
         params, spec = req.params, req.params.constraint
         if spec is not None and spec.kind == "structural":
-            structure = spec.structure()
+            structure = structure_of(spec)
             checked = {name: self._validators_for(schema) for name, schema in structural_parts(structure)
                        if name not in grammar.parts_enforced_exactly}
             return StructuralValidation(structure, checked, self.config.json_repeated_items) if checked else None

@@ -9,6 +9,7 @@ import pytest
 from radixgen import tool_formats
 from radixgen.constraints.call_validation import StructuralValidation
 from radixgen.constraints.events import SchemaValidators
+from radixgen.constraints.structural import Structure, parse_structure
 from radixgen.tool_formats import CallFormat
 
 DAYS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "multipleOf": 5}},
@@ -18,9 +19,9 @@ FORMATS = [tool_formats.SMOLLM2, tool_formats.HERMES, tool_formats.LLAMA3, tool_
            tool_formats.MISTRAL]
 
 
-def calls_structure(fmt: CallFormat, **extra: object) -> dict:
-    return {"tool_calls": fmt.structure([("forecast", DAYS), ("note", {})], free_text=True, min_calls=0,
-                                        max_calls=None), **extra}
+def calls_structure(fmt: CallFormat, **extra: object) -> Structure:
+    return parse_structure({"tool_calls": fmt.structure([("forecast", DAYS), ("note", {})], free_text=True,
+                                                        min_calls=0, max_calls=None), **extra})
 
 
 def first_rejection(validation: StructuralValidation, text: str):  # noqa: ANN201 - Rejection | None
@@ -65,7 +66,7 @@ def test_reset_after_a_rollback_rescans_without_verdicts() -> None:
 
 
 def test_the_answer_after_a_reasoning_section_is_checked() -> None:
-    structure = {"reasoning": {"begin": "<think>", "end": "</think>"}, "json_schema": ANSWER}
+    structure = parse_structure({"reasoning": {"begin": "<think>", "end": "</think>"}, "json_schema": ANSWER})
     text = '<think>maybe {"celsius": 3}</think>\n\n{"celsius": 3}'
     rejection = first_rejection(StructuralValidation(structure, {None: SchemaValidators(ANSWER)}), text)
     assert rejection is not None and rejection.start == text.rindex("3")  # the answer's, not the thought's
@@ -76,8 +77,8 @@ def test_the_answer_after_a_reasoning_section_is_checked() -> None:
 @pytest.mark.parametrize("fmt", [tool_formats.LLAMA3, tool_formats.HERMES], ids=lambda f: f.name)
 def test_a_call_block_or_the_answer_each_by_its_schema(fmt: CallFormat) -> None:
     """With a trigger that starts like JSON ({"name": ), the answer is told apart once it differs."""
-    structure = {"tool_calls": fmt.structure([("forecast", DAYS)], free_text=False, min_calls=1, max_calls=None),
-                 "json_schema": ANSWER}
+    structure = parse_structure({"tool_calls": fmt.structure([("forecast", DAYS)], free_text=False, min_calls=1,
+                                                             max_calls=None), "json_schema": ANSWER})
     validators = {None: SchemaValidators(ANSWER), "forecast": SchemaValidators(DAYS)}
     answer = first_rejection(StructuralValidation(structure, validators), '{"celsius": 3}')
     assert answer is not None and answer.path == ("celsius",)
