@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from radixgen.constraints.compile import GrammarService
-from radixgen.constraints.events import SchemaValidators, Validation, deref, resolve_subschema
+from radixgen.constraints.events import SchemaValidators, Validation, resolve_subschema
+from radixgen.constraints.refs import deref
 from radixgen.constraints.spec import schema_spec
 from radixgen.errors import InvalidConstraintError
 

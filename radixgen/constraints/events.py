@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from radixgen.constraints.drafts import as_2020_12, validator_class
+from radixgen.constraints.refs import deref
 from radixgen.constraints.value_search import anchored_numbers, listed_literals, small_numbers
 
 Path = tuple[str | int, ...]
@@ -213,20 +214,6 @@ class SchemaValidators:
             validator = self._cache[id(sub)] = self._validator_cls(
                 with_defs, format_checker=self._validator_cls.FORMAT_CHECKER)
         return validator
-
-
-def deref(root: dict[str, Any], node: Any) -> Any:
-    for _ in range(32):  # bounded: a $ref cycle must not hang
-        if not (isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"].startswith("#/")):
-            return node
-        target: Any = root
-        for part in node["$ref"][2:].split("/"):
-            part = part.replace("~1", "/").replace("~0", "~")
-            if not isinstance(target, dict) or part not in target:
-                return None
-            target = target[part]
-        node = target
-    return None
 
 
 def resolve_subschema(root: dict[str, Any], path: Path) -> Any:

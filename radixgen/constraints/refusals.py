@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from radixgen.constraints.refs import deref, resolve_ref
+
 _SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas")
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalItems", "additionalProperties", "not", "contains", "if", "then", "else",
@@ -42,7 +44,7 @@ def _existential(root: dict[str, Any], negated: Any, depth: int = 0) -> str | No
     """The keyword by which ``not: negated`` asks for a property of some kind to exist: negated
     ``propertyNames`` (any but ``false``, which only asks for a non-empty object, what a model
     writes anyway) or ``patternProperties``, directly or in a member of its anyOf / oneOf / allOf."""
-    negated = _deref(root, negated)
+    negated = deref(root, negated)
     if not isinstance(negated, dict):
         return None
     names = negated.get("propertyNames")
@@ -60,7 +62,7 @@ def _existential(root: dict[str, Any], negated: Any, depth: int = 0) -> str | No
 
 def _pinned(root: dict[str, Any], node: Any, depth: int = 0) -> bool:
     """The value is one of listed literals (``const`` / ``enum`` at the root or in a member of its allOf)."""
-    node = _deref(root, node)
+    node = deref(root, node)
     if not isinstance(node, dict) or depth > 8:  # bounded: allOf may refer back to the root
         return False
     return "const" in node or "enum" in node or any(_pinned(root, m, depth + 1) for m in node.get("allOf") or [])
@@ -79,7 +81,7 @@ def reachable(root: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
             ref = sub.get("$ref")
             if isinstance(ref, str) and ref.startswith("#") and ref not in followed:
                 followed.add(ref)
-                pending.append((ref, _resolve(root, ref)))
+                pending.append((ref, resolve_ref(root, ref)))
 
 
 def _keyword_subschemas(node: Any, where: str) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -100,22 +102,3 @@ def _keyword_subschemas(node: Any, where: str) -> Iterator[tuple[str, dict[str, 
                 found += [(f"{where}.{key}[{i}]", sub) for i, sub in enumerate(members)]
         found += [(f"{where}.{key}", node.get(key)) for key in _SCHEMA_VALUES]
         stack.extend(reversed(found))
-
-
-def _deref(root: Any, node: Any) -> Any:
-    for _ in range(32):  # bounded: a $ref cycle must not hang
-        ref = node.get("$ref") if isinstance(node, dict) else None
-        if not (isinstance(ref, str) and ref.startswith("#")):
-            return node
-        node = _resolve(root, ref)
-    return None
-
-
-def _resolve(root: Any, ref: str) -> Any:
-    target = root
-    for part in ref[2:].split("/") if ref != "#" else ():
-        part = part.replace("~1", "/").replace("~0", "~")
-        if not isinstance(target, dict) or part not in target:
-            return None
-        target = target[part]
-    return target

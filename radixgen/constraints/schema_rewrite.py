@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixgen.constraints.drafts import as_2020_12
-from radixgen.constraints.events import deref
+from radixgen.constraints.refs import deref
 
 
 @dataclass(frozen=True)

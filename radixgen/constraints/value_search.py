@@ -20,6 +20,8 @@ from fractions import Fraction
 from itertools import combinations
 from typing import Any
 
+from radixgen.constraints.refs import resolve_ref
+
 _BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 MAX_STEPS = 12
 """Distinct multipleOf values combined at most (the first found): subsets of up to three of
@@ -82,7 +84,7 @@ def listed_literals(node: Any, root: Any) -> list[Any]:
             continue
         ref = current.get("$ref")
         if isinstance(ref, str) and ref.startswith("#"):
-            stack.append(_resolve(root, ref))
+            stack.append(resolve_ref(root, ref))
         listed = ([current["const"]] if "const" in current else []) + (
             current["enum"] if isinstance(current.get("enum"), list) else [])
         for value in listed:
@@ -95,16 +97,6 @@ def listed_literals(node: Any, root: Any) -> list[Any]:
             if isinstance(members, list):
                 stack.extend(reversed(members))
     return found[:MAX_LITERALS]
-
-
-def _resolve(root: Any, ref: str) -> Any:
-    target = root
-    for part in ref[2:].split("/") if ref != "#" else ():
-        part = part.replace("~1", "/").replace("~0", "~")
-        if not isinstance(target, dict) or part not in target:
-            return None
-        target = target[part]
-    return target
 
 
 def _numeric_keywords(schema: Any) -> tuple[list[Fraction], list[Fraction]]:
