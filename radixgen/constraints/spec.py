@@ -229,22 +229,31 @@ def json_depth(value: Any) -> int:
     return deepest
 
 
+_LITERALS = frozenset({"enum", "const", "default", "examples"})
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
 def _check_refs_are_local(schema: dict[str, Any]) -> None:
     """References must resolve inside the schema: nothing is fetched (no network at run time)."""
     ids: set[str] = set()
     refs: list[tuple[str, str, str]] = []
-    stack: list[tuple[Any, str]] = [(schema, "$")]
+    # (node, where, whether node is a map of names to schemas rather than a schema)
+    stack: list[tuple[Any, str, bool]] = [(schema, "$", False)]
     while stack:
-        node, where = stack.pop()
-        if isinstance(node, dict):
+        node, where, is_map = stack.pop()
+        if isinstance(node, dict) and is_map:
+            stack.extend((v, f"{where}.{k}", False) for k, v in node.items() if isinstance(v, (dict, list)))
+        elif isinstance(node, dict):
             if isinstance(node.get("$id"), str):
                 ids.add(node["$id"].rstrip("#"))
             for key in ("$ref", "$dynamicRef"):
                 if isinstance(node.get(key), str):
                     refs.append((key, node[key], where))
-            stack.extend((v, f"{where}.{k}") for k, v in node.items() if isinstance(v, (dict, list)))
+            # a literal that holds a "$ref" key is data ({"enum": [{"$ref": "a"}]}), not a reference
+            stack.extend((v, f"{where}.{k}", k in _NAMED_SCHEMAS) for k, v in node.items()
+                         if isinstance(v, (dict, list)) and k not in _LITERALS)
         elif isinstance(node, list):
-            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(node))
+            stack.extend((v, f"{where}[{i}]", False) for i, v in enumerate(node))
     for key, ref, where in refs:
         target = ref.split("#", 1)[0]
         if target and not any(i == target or i.endswith("/" + target) for i in ids):

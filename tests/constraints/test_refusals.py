@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -44,3 +45,13 @@ def test_requirements_no_backend_enforces_are_refused_naming_the_keyword(schema:
 def test_what_the_grammar_or_the_model_satisfies_anyway_is_not_refused(schema: Any) -> None:
     assert unenforceable(schema) is None
     assert SamplingParams(json_schema=schema).constraint is not None
+
+
+def test_a_ref_key_inside_a_literal_is_data_and_named_schemas_are_still_checked() -> None:
+    # the practice corpus' draft2019 "nonvalid_ref" file: an enum whose value is {"$ref": "a"}
+    assert SamplingParams(json_schema={"allOf": [{"enum": [{"$ref": "a"}]}]}).constraint is not None
+    assert SamplingParams(json_schema={"type": "object", "default": {"$ref": "http://x/y"}}).constraint is not None
+    for schema, where in [({"definitions": {"enum": {"$ref": "http://x/y#/a"}}}, "$.definitions.enum"),
+                          ({"properties": {"const": {"$ref": "other.json"}}}, "$.properties.const")]:
+        with pytest.raises(InvalidConstraintError, match=re.escape(f"at {where} points outside the schema")):
+            SamplingParams(json_schema=schema)
