@@ -12,15 +12,29 @@ what to write instead.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Iterator
 from typing import Any
 
 from radixgen.constraints.refs import deref, resolve_ref
+from radixgen.constraints.spec import ConstraintSpec
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas")
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalItems", "additionalProperties", "not", "contains", "if", "then", "else",
                   "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+
+
+def refusal_for(spec: ConstraintSpec) -> str | None:
+    """``unenforceable`` for a JSON-schema spec, worked out once per distinct schema (every
+    request and choice with the same schema shares the answer)."""
+    return _refusal_of(spec.value)
+
+
+@functools.lru_cache(maxsize=256)
+def _refusal_of(schema_text: str) -> str | None:
+    return unenforceable(json.loads(schema_text))
 
 
 def unenforceable(schema: Any) -> str | None:

@@ -261,9 +261,9 @@ class TokenAppender:
         return None
 
     def complete_written(self, req: Request) -> FinishReason | None:
-        """End the output where it stands, if the automaton may end it here (a searched root
-        value just written): STOP once the validators accept it, else None (a rejection leaves
-        its rollback pending)."""
+        """End the output where it stands (a searched root value just written): STOP if the
+        automaton may end it here, else None. The value passed the same validators in the
+        search, so the final check accepts it."""
         return self._complete(req) if self._stop_here(req) else None
 
     def force_text(self, req: Request, text: str) -> bool:

@@ -348,6 +348,7 @@ class StepApplier:
             self.kv.release(req, cache=True)
         else:  # the cached prefix reaches past the rollback point: keep the tree's copy, drop ours
             self.kv.release(req, cache=False)
+        self.log.current.rollbacks += 1
         replacement = rollback.replacement
         if replacement is not None and self.appender.force_text(req, replacement):
             logger.info("%s: wrote %r in place of a value its validators rejected %s", req.request_id, replacement, why)
@@ -357,7 +358,6 @@ class StepApplier:
                 return self.finish(req, FinishReason.STOP)  # its row and slots were given back above
         # the requeued prefill computes the written tokens' KV and samples what follows
         self.planner.requeue(req)
-        self.log.current.rollbacks += 1
         logger.debug("rolled back %s to output token %d: %s", req.request_id, keep, why)
         return None
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixgen.constraints.refusals import unenforceable
+from radixgen.constraints.refusals import refusal_for
 from radixgen.constraints.spec import (
     JSON_OBJECT,
     ConstraintSpec,
@@ -116,7 +116,7 @@ class SamplingParams:
         if self.json_schema is not None:
             spec = schema_spec(self.json_schema)
             # the grammar compiles (its masks are right), but generation would end in a violation
-            refusal = unenforceable(spec.schema())
+            refusal = refusal_for(spec)
             if refusal is not None:
                 raise InvalidConstraintError(f"cannot generate for this json_schema: {refusal}")
             return spec
