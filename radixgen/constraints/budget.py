@@ -21,7 +21,7 @@ import string
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from radixgen.constraints.backend import Matcher
@@ -181,6 +181,17 @@ class Completer:
                     return (len(ids), pad + text + '"', None)
         return None
 
+    @staticmethod
+    def _alnum_after_run(order: list[tuple[str, int]], recent: str) -> list[tuple[str, int]]:
+        """Letters and digits after a run of them: first the other kind than the run's last
+        character, then the same kind not written lately, then the rest. A pattern that takes
+        digits forever before a unit letter ("[0-9]+s") is walked "111s", not digits until the
+        walk's bounds run out."""
+        last_is_digit = recent[-1:].isdigit()
+        fresh = [c for c in order if c[0] in _ALNUM and c[0] not in recent]
+        fresh.sort(key=lambda c: c[0].isdigit() == last_is_digit)
+        return fresh + [c for c in order if c[0] in _ALNUM and c[0] in recent]
+
     def _options(self, matcher: Matcher, *, avoid: str | None) -> Iterator[str]:
         """The allowed next characters in preference order, each yielded with ``matcher``
         advanced by it (the consumer rolls it back before asking for the next). Probing with
@@ -196,7 +207,7 @@ class Completer:
             used = sorted((c for c in marks if c[0] in avoid), key=lambda c: avoid.rfind(c[0]))
             order = ([c for c in order if c[0] == '"'] + [c for c in marks if c[0] not in avoid]
                      + used + [c for c in order if c[0] in _CLOSERS and c[0] != '"']
-                     + [c for c in order if c[0] in _ALNUM])
+                     + self._alnum_after_run(order, avoid))
         finishing: set[str] = set()
         if not in_text:  # in a number or between values: first whatever ends the output at once,
             # then a newline whose forced stretch ends it (a tool-call block's closing
@@ -340,6 +351,10 @@ class BudgetState:
     """The completion's tokens were refused by the automaton: this request is not steered."""
     retry_below: float = float("inf")
     """After a walk found no completion: steer again only once fewer tokens than this are left."""
+    priced_at: float = float("inf")
+    """The tokens left when the completion was last found by a walk."""
+    priced_nestings: set[str] = field(default_factory=set)
+    """The nestings (``containers``) whose opening was priced far from the end."""
     steered_tokens: int = 0
     """Tokens appended by steering instead of the model's choice."""
     shortened: bool = False

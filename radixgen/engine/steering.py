@@ -27,6 +27,7 @@ from typing import Any
 from radixgen.constraints.backend import Matcher
 from radixgen.constraints.budget import (
     START_WALK_SCALE,
+    BudgetSnapshot,
     BudgetState,
     Completer,
     Completion,
@@ -107,6 +108,26 @@ class BudgetSteering:
             if completion.token_ids:
                 matcher.rollback(len(completion.token_ids))
 
+    @staticmethod
+    def _price_now(state: BudgetState, saved: BudgetSnapshot, room: int, before: Completion, tokens_left: int) -> bool:
+        """Whether a token far from the end (outside the window where every structural token is
+        priced) needs its completion found now, while it can still be taken back.
+
+        - A new item or property can cost far more than the completion before it (an array item
+          with required nested objects): priced within a wider window.
+        - A completion left stale since far from the end is brought up to date in that window
+          too, once per ``_FAR_TOKENS``.
+        - An object or array opened at a nesting not opened before in this output is priced at
+          any distance: an optional object with 60 required properties, opened 400 tokens from
+          the end, needs ~150 tokens to close, more than any window looks at. Items of an array
+          repeat their nesting and are not priced again until the window."""
+        if len(state.containers) > len(saved.containers) and state.containers not in state.priced_nestings:
+            state.priced_nestings.add(state.containers)
+            return True
+        if room > _OPENING_WINDOW * max(_FAR_TOKENS, before.cost):
+            return False
+        return state.opened or (state.stale and state.priced_at - tokens_left >= _FAR_TOKENS)
+
     def token_text(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
@@ -141,9 +162,7 @@ class BudgetSteering:
             return None
         room = tokens_left - 1
         near = before is None or room - before.cost <= max(_FAR_TOKENS, before.cost)
-        if before is not None and not near and state.opened and room <= _OPENING_WINDOW * max(_FAR_TOKENS, before.cost):
-            # a new item or property can cost far more than the completion before it (an array
-            # item with required nested objects): decided now, while the token can be taken back
+        if before is not None and not near and self._price_now(state, saved, room, before, tokens_left):
             near, state.stale = True, True
         if not near:
             state.stale = state.stale or touched
@@ -159,6 +178,7 @@ class BudgetSteering:
             after = Completion(rest, self.completer.encode(rest))
         else:
             after = self._complete(state, matcher, tokens_left)
+            state.priced_at = tokens_left
         state.stale = False
         if after is None:  # the walk found no end from here: try again a few tokens on
             state.completion, state.retry_below = None, tokens_left - _RETRY_AFTER_TOKENS

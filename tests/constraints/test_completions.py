@@ -83,3 +83,15 @@ def test_a_patterns_shortest_match_is_written_where_the_letters_cannot_find_it(w
     assert strings == ("AA-111",)
     text = walk(schema, "", strings=strings)
     assert text is not None and re.search("[A-Z]{2}-[0-9]{3}", json.loads(text)["ticket"]), text
+
+
+def test_a_digit_run_under_a_unit_pattern_is_closed_with_a_unit(walk: Any) -> None:
+    """A duration pattern takes digits forever before its unit letter: the walk, preferring
+    digits, wrote digits until its bounds ran out, found no end, and the answer was cut."""
+    schema = {"type": "object", "properties": {"interval": {
+        "type": "string", "pattern": "^[0-9]+(ms|[ywdhms])$"}},
+        "required": ["interval"], "additionalProperties": False}
+    prefix = '{"interval": "2018010111111111'
+    text = walk(schema, prefix)
+    assert text is not None and len(text) <= 12, text
+    jsonschema.validate(json.loads(prefix + text), schema)

@@ -260,3 +260,23 @@ def test_a_pattern_with_a_min_length_beside_it_is_completed_and_steered(real_eng
     schema, out = _practice_answer(real_engine, "Github_hard---o79409.json", prompt_chars=1500)
     assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.text[-200:])
     jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.real_model
+def test_a_completion_left_stale_far_from_the_end_is_brought_up_to_date_in_time(real_engine: Engine) -> None:
+    """The model opens a test case early and writes one long digit string in it; the completion
+    from the start ("{}") was kept until 26 tokens from the end, where closing the case's
+    required properties needed 35: the answer was cut."""
+    schema, out = _practice_answer(real_engine, "JsonSchemaStore---prometheus.rules.test.json", prompt_chars=2000)
+    assert out.finish_reason is FinishReason.STOP and out.shortened, (out.finish_reason, out.text[-200:])
+    jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.real_model
+def test_an_optional_object_opened_far_from_the_end_is_priced_when_opened(real_engine: Engine) -> None:
+    """An optional "properties" object with ~60 required string properties, opened ~400 tokens
+    from the end: nothing priced it until the window near the end, where its completion needed
+    ~150 tokens with 94 left, and the answer was cut."""
+    schema, out = _practice_answer(real_engine, "Github_hard---o56012.json", prompt_chars=2000)
+    assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.text[-200:])
+    jsonschema.validate(json.loads(out.text), schema)
