@@ -9,8 +9,9 @@ schema without "type" becomes an object, object-valued enums, unevaluatedPropert
 patternProperties, false subschemas), so those schemas go to llguidance, which follows JSON
 Schema closely: JSON-Schema-Test-Suite 1,182 right with xgrammar alone, 1,230 with llguidance
 alone, more with both. Tool calls go the same way: when any tool's schema (or the answer's) is
-outside the subset, the whole structure goes to llguidance. A backend that refuses a
-constraint hands it to the other.
+outside the subset, the whole structure goes to llguidance. So does a root string whose patterns
+combine under not / oneOf (llguidance takes it as one lexeme: constraints/string_lark.py). A
+backend that refuses a constraint hands it to the other.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 from radixgen.constraints.backend import Grammar, GrammarBackend
 from radixgen.constraints.drafts import as_2020_12
 from radixgen.constraints.spec import ConstraintSpec
+from radixgen.constraints.string_lark import root_string_lark
 from radixgen.constraints.structural import structural_parts, structure_of
 from radixgen.constraints.xgrammar_subset import within_xgrammar_subset
 from radixgen.errors import InvalidConstraintError
@@ -40,7 +42,8 @@ class AutoBackend(GrammarBackend):
         order = ["xgrammar", "llguidance"]
         schemas = ([spec.schema()] if spec.kind == "json_schema" else
                    [schema for _, schema in structural_parts(structure_of(spec))] if spec.kind == "structural" else [])
-        if not all(within_xgrammar_subset(as_2020_12(schema)) for schema in schemas):
+        if not all(within_xgrammar_subset(as_2020_12(schema)) for schema in schemas) or (
+                spec.kind == "json_schema" and root_string_lark(spec.schema()) is not None):
             order.reverse()
         return [self.backends[name] for name in order if name in self.backends]
 

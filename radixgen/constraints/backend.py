@@ -64,6 +64,10 @@ class Matcher(ABC):
         for matcher, row in zip(matchers, rows, strict=True):
             matcher.fill_bitmask(bitmask, row)
 
+    def error(self) -> str | None:
+        """Why the automaton cannot go on from here (its own limits were reached), or None."""
+        return None
+
     @abstractmethod
     def accept(self, token_id: int) -> bool: ...
 

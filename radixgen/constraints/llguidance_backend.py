@@ -12,6 +12,7 @@ import numpy as np
 from radixgen.constraints.backend import Grammar, GrammarBackend, Matcher
 from radixgen.constraints.schema_rewrite import DEFAULT_OPTIONS, GrammarOptions, grammar_schema
 from radixgen.constraints.spec import ConstraintSpec
+from radixgen.constraints.string_lark import root_string_lark
 from radixgen.constraints.structural import llguidance_structural_lark, structure_of
 from radixgen.errors import InvalidConstraintError
 
@@ -23,6 +24,9 @@ except ImportError as e:  # pragma: no cover - the registry reports this
 
 # Our JSON style (", " and ": ", no other whitespace), the same as the xgrammar backend's.
 _JSON_OPTIONS: Any = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "lenient": True}
+
+
+_STRING_LEXEME_LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=20_000_000, step_lexer_fuel=2_000_000)
 
 
 class LLGuidanceMatcher(Matcher):
@@ -43,11 +47,18 @@ class LLGuidanceMatcher(Matcher):
             return
         assert words.flags.c_contiguous
         self._m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        if self._m.is_error():  # llguidance then allows a stop token: a dead end, not an answer
+            words[:] = 0
+
+    def error(self) -> str | None:
+        return _first_line([self._m.get_error()]) if self._m.is_error() else None
 
     def accept(self, token_id: int) -> bool:
         if self.is_terminated():
             return False
         is_stop = token_id in self._stop_ids
+        if self._m.is_error():
+            return False
         if self._m.is_stopped():  # complete: only a stop token may follow
             if not is_stop:
                 return False
@@ -102,6 +113,7 @@ class LLGuidanceBackend(GrammarBackend):
         self._special_ids = {t.content: i for i, t in added.items() if getattr(t, "special", False) and i < vocab_size}
 
     def compile(self, spec: ConstraintSpec) -> Grammar:
+        string_lark = None
         if spec.kind == "structural":
             grammar = llguidance.LLMatcher.grammar_from_lark(llguidance_structural_lark(
                 structure_of(spec), self.options, _JSON_OPTIONS, self._special_ids.get))
@@ -109,6 +121,9 @@ class LLGuidanceBackend(GrammarBackend):
             grammar = llguidance.LLMatcher.grammar_from_regex(spec.value)
         elif spec.kind == "choices":
             grammar = llguidance.LLMatcher.grammar_from_regex(spec.pattern())
+        elif spec.kind == "json_schema" and (string_lark := root_string_lark(spec.schema())) is not None:
+            # not / oneOf over a root string's patterns: one lexeme the JSON compiler cannot write
+            grammar, schema = llguidance.LLMatcher.grammar_from_lark(string_lark), spec.schema()
         else:
             schema = grammar_schema(spec.schema(), self.options) if spec.kind == "json_schema" else {"type": "object"}
             grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
@@ -120,10 +135,15 @@ class LLGuidanceBackend(GrammarBackend):
                         "json_max_recursion_depth: one whose required properties refer back to itself has no "
                         "instance that ends; make the recursive property optional or nullable)")
             raise InvalidConstraintError(f"cannot compile the {spec.kind.replace('_', ' ')}: {why}")
-        prototype = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        # a lexeme of intersections and complements builds many derivatives: more fuel for it
+        # (~50k / ms at the start, ~14k / ms per token), within its own matcher only
+        limits = _STRING_LEXEME_LIMITS if string_lark is not None else None
+        prototype = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=limits)
         if prototype.is_error():
             raise InvalidConstraintError(f"cannot compile the {spec.kind.replace('_', ' ')}: "
                                          f"{_first_line([prototype.get_error()])}")
+        if string_lark is not None:
+            _check_lexeme_evaluates(prototype, self._tokenizer.tokenize_str('"'), self.vocab_size)
         grammar_out = LLGuidanceGrammar(prototype, self._stop_ids)
         grammar_out.not_enforced = tuple(_first_line([m]) for m in messages if m.strip())
         return grammar_out
@@ -131,3 +151,27 @@ class LLGuidanceBackend(GrammarBackend):
 
 def _first_line(messages: list[str]) -> str:
     return messages[0].strip().splitlines()[0] if messages and messages[0].strip() else "unknown error"
+
+
+_LEXEME_PROBE_TOKENS = 12
+
+
+def _check_lexeme_evaluates(prototype: Any, quote: list[int], vocab_size: int) -> None:
+    """Refuse a string lexeme whose masks llguidance cannot compute (its derivatives outgrow
+    the lexer's limits), probed after the opening ``quote`` and along a few allowed tokens: at
+    generation the matcher would fail on one of the first tokens."""
+    probe = prototype.deep_copy()
+    probe.consume_tokens(quote)
+    words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+    for _ in range(_LEXEME_PROBE_TOKENS):
+        if probe.is_error() or probe.is_stopped():
+            break
+        probe.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+        if probe.is_error() or not len(allowed):
+            break
+        probe.consume_tokens([int(allowed[len(allowed) // 2])])  # a middle token: text, not the closing quote
+    if probe.is_error():
+        raise InvalidConstraintError("cannot compile the json schema: its string's patterns, combined under not / "
+                                     f"oneOf, are too large to enforce ({_first_line([probe.get_error()])}); simplify "
+                                     "them or split the value")

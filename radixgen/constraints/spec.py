@@ -23,6 +23,9 @@ else:  # pragma: no cover - Python 3.10
     import sre_constants as _sre_constants
     import sre_parse as _sre_parser
 
+sre_parser = _sre_parser
+"""Python's regex parser (its module moved in 3.11), for the other checks of patterns."""
+
 _REPEATS = tuple(getattr(_sre_constants, name) for name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
                  if hasattr(_sre_constants, name))
 
@@ -89,7 +92,7 @@ def regex_spec(pattern: str) -> ConstraintSpec:
                 f"long list of alternatives")
         with state_budget(MAX_REGEX_STATES, MAX_REGEX_CHECK_S):
             fsm = interegular.parse_pattern(pattern).to_fsm()
-    except _StateBudgetExceeded:
+    except StateBudgetExceeded:
         raise InvalidConstraintError(
             f"regex {pattern[:80]!r} needs an automaton of more than {MAX_REGEX_STATES} states to check; simplify "
             f"it (overlapping repeats such as '.+\\s{{100}}' grow it fastest), or use choices for a long list of "
@@ -103,7 +106,7 @@ def regex_spec(pattern: str) -> ConstraintSpec:
     return ConstraintSpec("regex", pattern)
 
 
-class _StateBudgetExceeded(Exception):
+class StateBudgetExceeded(Exception):
     pass
 
 
@@ -134,7 +137,7 @@ def state_budget(states: int, seconds: float) -> Iterator[None]:
                 def counted_final(state: Any) -> Any:  # called once per discovered state
                     _budget.left -= 1
                     if _budget.left < 0 or time.monotonic() > _budget.deadline:
-                        raise _StateBudgetExceeded
+                        raise StateBudgetExceeded
                     return final(state)
 
                 return unbounded(alphabet, initial, counted_final, follow)

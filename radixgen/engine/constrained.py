@@ -173,9 +173,10 @@ class ConstrainedDecoding:
             if banned:
                 ban_tokens(mask[i], banned)
             if not mask[i].any():  # nothing may follow: whatever is sampled will be rejected
+                failure = state.matcher.error()
                 state.mark_dead_end(
                     "the validators rejected every token that could continue the output here" if banned else
-                    DEAD_END)
+                    f"the constraint's automaton failed: {failure}; simplify the constraint" if failure else DEAD_END)
         return mask
 
     def scratch_mask(self) -> np.ndarray:

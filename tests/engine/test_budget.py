@@ -280,3 +280,20 @@ def test_an_optional_object_opened_far_from_the_end_is_priced_when_opened(real_e
     schema, out = _practice_answer(real_engine, "Github_hard---o56012.json", prompt_chars=2000)
     assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.text[-200:])
     jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", ["Handwritten---allany13.json", "Handwritten---string3.json"])
+def test_a_string_under_patterns_combined_with_not_is_valid_or_an_error(real_engine: Engine, name: str) -> None:
+    """The root string's patterns, combined under not, are one llguidance lexeme. Where its
+    derivatives outgrow the lexer mid-answer, llguidance allows only a stop token: that was
+    taken as a complete, valid, empty answer. It is an error that says why; otherwise the
+    answer is valid (before the lexeme, the xgrammar grammar ignored the not and every answer
+    was a violation)."""
+    schema, out = _practice_answer(real_engine, name, prompt_chars=2000)
+    if out.finish_reason is FinishReason.ERROR:
+        assert "automaton failed" in (out.error or ""), out.error
+        assert out.constraint is not None and not out.constraint.valid
+    else:
+        assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.text[-200:])
+        jsonschema.validate(json.loads(out.text), schema)

@@ -1,0 +1,58 @@
+"""A root string whose patterns combine under not / oneOf, enforced as one llguidance lexeme."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+
+from radixgen.constraints.string_lark import root_string_lark
+
+STARTS_AND_AVOIDS = {"type": "string", "allOf": [
+    {"pattern": "^[ab]"}, {"not": {"pattern": "z$"}}, {"minLength": 3}, {"maxLength": 6}]}
+EXACTLY_ONE = {"type": "string", "maxLength": 4, "oneOf": [{"pattern": "^a"}, {"pattern": "b$"}]}
+DEFINED = {"type": "string", "allOf": [{"$ref": "#/definitions/digits"}, {"not": {"enum": ["000", "111"]}}],
+           "definitions": {"digits": {"pattern": "^[0-9]{3}$"}}}
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "pattern": "^a"},  # the JSON compiler takes it as it is
+    {"type": "object", "not": {"required": ["a"]}},
+    {"type": "string", "not": {"format": "email"}},  # a keyword outside the string set
+    {"not": {"pattern": "a"}},  # a root that may be any type
+])
+def test_other_schemas_keep_the_json_compiler(schema: dict[str, Any]) -> None:
+    assert root_string_lark(schema) is None
+
+
+@pytest.fixture(scope="module")
+def llguidance_backend(tokenizer: Any) -> Any:
+    from radixgen.constraints import make_backend
+
+    return make_backend("llguidance", tokenizer, 49152, [tokenizer.eos_token_id])
+
+
+@pytest.mark.parametrize(("schema", "text"), [
+    (STARTS_AND_AVOIDS, "abc"), (STARTS_AND_AVOIDS, "abz"), (STARTS_AND_AVOIDS, "ca1"), (STARTS_AND_AVOIDS, "ab"),
+    (STARTS_AND_AVOIDS, "bbbbbbb"), (EXACTLY_ONE, "ax"), (EXACTLY_ONE, "xb"), (EXACTLY_ONE, "ab"),
+    (EXACTLY_ONE, "xx"), (DEFINED, "123"), (DEFINED, "111"), (DEFINED, "12a"),
+])
+def test_the_lexeme_accepts_exactly_the_schemas_strings(llguidance_backend: Any, tokenizer: Any,
+                                                        schema: dict[str, Any], text: str) -> None:
+    from radixgen.constraints.spec import ConstraintSpec
+
+    assert root_string_lark(schema) is not None
+    matcher = llguidance_backend.compile(ConstraintSpec("json_schema", json.dumps(schema))).matcher()
+    accepted = matcher.accept_all(tokenizer.encode(json.dumps(text), add_special_tokens=False)) and matcher.is_completed()
+    assert accepted is jsonschema.Draft7Validator(schema).is_valid(text), text
+
+
+def test_the_auto_backend_sends_such_a_root_to_llguidance(tokenizer: Any) -> None:
+    """oneOf alone is inside xgrammar's subset (read as anyOf): the root string goes to llguidance."""
+    from radixgen.constraints import make_backend
+    from radixgen.constraints.spec import ConstraintSpec
+
+    backend = make_backend("auto", tokenizer, 49152, [tokenizer.eos_token_id])
+    assert backend.compile(ConstraintSpec("json_schema", json.dumps(EXACTLY_ONE))).compiled_by == "llguidance"
