@@ -8,6 +8,10 @@ names must include one (``not`` over ``propertyNames``). The finished container 
 every retry writes a similar one, and the request used to end in ``constraint_violation`` after
 spending its retries. Such a schema is refused up front, naming the keyword, where it is and
 what to write instead.
+
+So is a schema no answer can satisfy because of a ``oneOf`` it must meet (at the root, or under
+required properties) whose members come in identical pairs for the value's type: a generated
+union of a string alias and a string, under ``type: string``, matches every string twice.
 """
 
 from __future__ import annotations
@@ -51,7 +55,77 @@ def unenforceable(schema: Any) -> str | None:
             return (f"{where}.not over {keyword} requires the object to have a property of a given kind, which "
                     "the grammar backends do not enforce while generating, and a finished object without one "
                     "cannot be repaired value by value; list that property in properties and required instead")
+    for where, node in _mandatory(schema):
+        twins = _one_of_without_a_single_match(schema, node)
+        if twins is not None:
+            return (f"{where}.oneOf can never hold: a value must match exactly one of its members, and members "
+                    f"{twins[0]} and {twins[1]} accept the same values{_types_note(node)}; use anyOf, or make "
+                    "the members differ")
     return None
+
+
+_ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default", "deprecated", "readOnly",
+                          "writeOnly"})
+
+
+def _mandatory(root: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The schemas every answer must satisfy at a value it must contain: the root, and through
+    ``$ref`` and ``allOf`` the required properties of those (each schema once)."""
+    pending: list[tuple[str, Any]] = [("$", root)]
+    seen: set[int] = set()
+    while pending:
+        where, node = pending.pop()
+        node = deref(root, node)
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield where, node
+        pending += [(f"{where}.allOf[{i}]", m) for i, m in enumerate(node.get("allOf") or []) if isinstance(m, dict)]
+        properties = node.get("properties")
+        if isinstance(properties, dict):
+            pending += [(f"{where}.properties.{name}", properties[name]) for name in node.get("required") or []
+                        if isinstance(name, str) and name in properties]
+
+
+def _one_of_without_a_single_match(root: dict[str, Any], node: dict[str, Any]) -> tuple[int, int] | None:
+    """Two members of ``node``'s oneOf that accept the same values, where every member a value
+    of ``node``'s types can match has such a twin (so no value matches exactly one), or None."""
+    members = node.get("oneOf")
+    if not isinstance(members, list) or not members:
+        return None
+    allowed = _types(node)
+    keys: list[str | None] = []
+    for member in members:
+        member = deref(root, member)
+        if not isinstance(member, dict):
+            return None
+        kinds = _types(member)
+        overlaps = allowed is None or kinds is None or bool(allowed & kinds) or (
+            "number" in allowed and "integer" in kinds) or ("integer" in allowed and "number" in kinds)
+        keys.append(json.dumps({k: v for k, v in member.items() if k not in _ANNOTATIONS}, sort_keys=True)
+                    if overlaps else None)
+    live = [i for i, key in enumerate(keys) if key is not None]
+    pairs = {i: next((j for j in live if j != i and keys[j] == keys[i]), None) for i in live}
+    if not live or any(twin is None for twin in pairs.values()):
+        return None
+    first = live[0]
+    twin = pairs[first]
+    assert twin is not None
+    return first, twin
+
+
+def _types(node: dict[str, Any]) -> set[str] | None:
+    kind = node.get("type")
+    if isinstance(kind, str):
+        return {kind}
+    if isinstance(kind, list) and all(isinstance(k, str) for k in kind):
+        return set(kind)
+    return None
+
+
+def _types_note(node: dict[str, Any]) -> str:
+    kinds = _types(node)
+    return f" (of the type {' or '.join(sorted(kinds))} the schema allows here)" if kinds else ""
 
 
 def _existential(root: dict[str, Any], negated: Any, depth: int = 0) -> str | None:

@@ -55,3 +55,33 @@ def test_a_ref_key_inside_a_literal_is_data_and_named_schemas_are_still_checked(
                           ({"properties": {"const": {"$ref": "other.json"}}}, "$.properties.const")]:
         with pytest.raises(InvalidConstraintError, match=re.escape(f"at {where} points outside the schema")):
             SamplingParams(json_schema=schema)
+
+
+UNION_OF_ALIASES = {"type": "object", "required": ["union"], "properties": {"union": {"$ref": "#/definitions/Union"}},
+                    "definitions": {"Alias": {"title": "Alias", "type": "string"},
+                                    "Union": {"type": "string", "oneOf": [{"$ref": "#/definitions/Alias"},
+                                                                          {"type": "string"}, {"type": "number"}]}}}
+
+
+def test_a_required_one_of_whose_members_are_twins_is_refused() -> None:
+    """A generated union of a string alias and a string, under type string: every string matches
+    both members, so no value is valid; every answer used to end in constraint_violation."""
+    import jsonschema
+
+    reason = unenforceable(UNION_OF_ALIASES)
+    assert reason is not None and reason.startswith("$.properties.union.oneOf can never hold"), reason
+    assert "members 0 and 1" in reason and "anyOf" in reason
+    for value in ("a", "", 1, 2.5, None):  # the refusal is right: nothing passes
+        assert not jsonschema.Draft7Validator(UNION_OF_ALIASES).is_valid({"union": value})
+
+
+@pytest.mark.parametrize("schema", [
+    # the number member matches a number alone
+    {"oneOf": [{"type": "string"}, {"type": "string", "title": "x"}, {"type": "number"}]},
+    # an optional property: leaving it out is valid
+    {"type": "object", "properties": {"a": {"oneOf": [{"type": "string"}, {"type": "string"}]}}},
+    # members that differ
+    {"type": "string", "oneOf": [{"maxLength": 2}, {"minLength": 5}]},
+])
+def test_a_one_of_that_some_value_satisfies_is_not_refused(schema: Any) -> None:
+    assert unenforceable(schema) is None
