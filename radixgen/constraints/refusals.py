@@ -10,8 +10,10 @@ spending its retries. Such a schema is refused up front, naming the keyword, whe
 what to write instead.
 
 So is a schema no answer can satisfy because of a ``oneOf`` it must meet (at the root, or under
-required properties) whose members come in identical pairs for the value's type: a generated
-union of a string alias and a string, under ``type: string``, matches every string twice.
+required properties) that every value matches twice: members that come in identical pairs for
+the value's type (a generated union of a string alias and a string, under ``type: string``), or
+members that only require properties the object requires already (``oneOf`` over ``required``
+sets beside a ``required`` that lists them all).
 """
 
 from __future__ import annotations
@@ -56,12 +58,35 @@ def unenforceable(schema: Any) -> str | None:
                     "the grammar backends do not enforce while generating, and a finished object without one "
                     "cannot be repaired value by value; list that property in properties and required instead")
     for where, node in _mandatory(schema):
+        implied = _implied_members(schema, node)
+        if len(implied) >= 2:
+            return (f"{where}.oneOf can never hold: a value must match exactly one of its members, and every "
+                    f"value the schema allows here matches members {implied[0]} and {implied[1]} (their "
+                    "required properties are required here already); use anyOf, or drop those properties "
+                    "from required")
         twins = _one_of_without_a_single_match(schema, node)
         if twins is not None:
             return (f"{where}.oneOf can never hold: a value must match exactly one of its members, and members "
                     f"{twins[0]} and {twins[1]} accept the same values{_types_note(node)}; use anyOf, or make "
                     "the members differ")
     return None
+
+
+def _implied_members(root: dict[str, Any], node: dict[str, Any]) -> list[int]:
+    """The members of ``node``'s oneOf that every value of ``node`` matches: empty ones, and
+    ones that only list required properties ``node`` requires already."""
+    members = node.get("oneOf")
+    if not isinstance(members, list) or node.get("type") not in ("object", None):
+        return []
+    required = set(node.get("required") or []) if isinstance(node.get("required"), list) else set()
+    implied = []
+    for i, member in enumerate(members):
+        member = deref(root, member)
+        if member is True or (isinstance(member, dict) and set(member) <= _ANNOTATIONS | {"required"}
+                              and isinstance(member.get("required", []), list)
+                              and set(member.get("required", [])) <= required):
+            implied.append(i)
+    return implied
 
 
 _ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default", "deprecated", "readOnly",

@@ -85,3 +85,20 @@ def test_a_required_one_of_whose_members_are_twins_is_refused() -> None:
 ])
 def test_a_one_of_that_some_value_satisfies_is_not_refused(schema: Any) -> None:
     assert unenforceable(schema) is None
+
+
+def test_a_one_of_over_required_sets_that_the_object_requires_already_is_refused() -> None:
+    """A function-calling schema: oneOf [radius], [length, width], [base, height], beside a
+    required list naming all five; every valid object would match all three members."""
+    import jsonschema
+
+    dims = {"type": "object", "properties": {k: {"type": "number"} for k in ("radius", "length", "width", "base", "height")},
+            "required": ["radius", "length", "width", "base", "height"],
+            "oneOf": [{"required": ["radius"]}, {"required": ["length", "width"]}, {"required": ["base", "height"]}]}
+    schema = {"type": "object", "properties": {"dimensions": dims}, "required": ["dimensions"]}
+    reason = unenforceable(schema)
+    assert reason is not None and reason.startswith("$.properties.dimensions.oneOf can never hold"), reason
+    full = {k: 1 for k in dims["properties"]}
+    assert not jsonschema.Draft7Validator(schema).is_valid({"dimensions": full})
+    # the usual form, without the blanket required list, is served
+    assert unenforceable({**schema, "properties": {"dimensions": {**dims, "required": []}}}) is None
