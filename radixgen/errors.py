@@ -23,6 +23,11 @@ class InvalidConstraintError(RadixgenError, ValueError):
     """A regex / JSON schema / choice list is malformed, unsupported or has an empty language."""
 
 
+class UnenforceableConstraintError(InvalidConstraintError):
+    """A constraint the backend that reads it best cannot enforce, and that the others would read
+    more loosely still: it is refused rather than handed on (``grammar_backend="auto"``)."""
+
+
 class OverloadedError(RadixgenError):
     """The engine's queue is full; retry later."""
 

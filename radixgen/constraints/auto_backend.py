@@ -10,8 +10,9 @@ patternProperties, false subschemas), so those schemas go to llguidance, which f
 Schema closely: JSON-Schema-Test-Suite 1,182 right with xgrammar alone, 1,230 with llguidance
 alone, more with both. Tool calls go the same way: when any tool's schema (or the answer's) is
 outside the subset, the whole structure goes to llguidance. So does a root string whose patterns
-combine under not / oneOf (llguidance takes it as one lexeme: constraints/string_lark.py). A
-backend that refuses a constraint hands it to the other.
+combine under not / oneOf (llguidance takes it as one lexeme: constraints/string_lark.py; one
+too large for its lexer is refused, not handed to xgrammar, which would ignore the not). A
+backend that refuses a constraint otherwise hands it to the other.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from radixgen.constraints.spec import ConstraintSpec
 from radixgen.constraints.string_lark import root_string_lark
 from radixgen.constraints.structural import structural_parts, structure_of
 from radixgen.constraints.xgrammar_subset import within_xgrammar_subset
-from radixgen.errors import InvalidConstraintError
+from radixgen.errors import InvalidConstraintError, UnenforceableConstraintError
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ class AutoBackend(GrammarBackend):
         for backend in self.choose(spec):
             try:
                 return backend.compile(spec)
+            except UnenforceableConstraintError:
+                raise  # the next backend would ignore what this one could not enforce
             except InvalidConstraintError as e:
                 logger.debug("%s refused a %s: %s", backend.name, spec.kind, e)
                 first_error = first_error or e

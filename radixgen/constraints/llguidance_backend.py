@@ -14,7 +14,7 @@ from radixgen.constraints.schema_rewrite import DEFAULT_OPTIONS, GrammarOptions,
 from radixgen.constraints.spec import ConstraintSpec
 from radixgen.constraints.string_lark import root_string_lark
 from radixgen.constraints.structural import llguidance_structural_lark, structure_of
-from radixgen.errors import InvalidConstraintError
+from radixgen.errors import InvalidConstraintError, UnenforceableConstraintError
 
 try:
     import llguidance
@@ -134,14 +134,18 @@ class LLGuidanceBackend(GrammarBackend):
                 why += (f" (its recursive definitions are unrolled {self.options.max_recursion_depth} levels deep, "
                         "json_max_recursion_depth: one whose required properties refer back to itself has no "
                         "instance that ends; make the recursive property optional or nullable)")
+            if string_lark is not None:
+                raise _lexeme_too_large(why)
             raise InvalidConstraintError(f"cannot compile the {spec.kind.replace('_', ' ')}: {why}")
         # a lexeme of intersections and complements builds many derivatives: more fuel for it
         # (~50k / ms at the start, ~14k / ms per token), within its own matcher only
         limits = _STRING_LEXEME_LIMITS if string_lark is not None else None
         prototype = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=limits)
         if prototype.is_error():
-            raise InvalidConstraintError(f"cannot compile the {spec.kind.replace('_', ' ')}: "
-                                         f"{_first_line([prototype.get_error()])}")
+            why = _first_line([prototype.get_error()])
+            if string_lark is not None:
+                raise _lexeme_too_large(why)
+            raise InvalidConstraintError(f"cannot compile the {spec.kind.replace('_', ' ')}: {why}")
         if string_lark is not None:
             _check_lexeme_evaluates(prototype, self._tokenizer.tokenize_str('"'), self.vocab_size)
         grammar_out = LLGuidanceGrammar(prototype, self._stop_ids)
@@ -172,6 +176,9 @@ def _check_lexeme_evaluates(prototype: Any, quote: list[int], vocab_size: int) -
             break
         probe.consume_tokens([int(allowed[len(allowed) // 2])])  # a middle token: text, not the closing quote
     if probe.is_error():
-        raise InvalidConstraintError("cannot compile the json schema: its string's patterns, combined under not / "
-                                     f"oneOf, are too large to enforce ({_first_line([probe.get_error()])}); simplify "
-                                     "them or split the value")
+        raise _lexeme_too_large(_first_line([probe.get_error()]))
+
+
+def _lexeme_too_large(why: str) -> UnenforceableConstraintError:
+    return UnenforceableConstraintError(f"cannot compile the json schema: its string's patterns, combined under not / "
+                                        f"oneOf, are too large to enforce ({why}); simplify them or split the value")

@@ -56,3 +56,20 @@ def test_the_auto_backend_sends_such_a_root_to_llguidance(tokenizer: Any) -> Non
 
     backend = make_backend("auto", tokenizer, 49152, [tokenizer.eos_token_id])
     assert backend.compile(ConstraintSpec("json_schema", json.dumps(EXACTLY_ONE))).compiled_by == "llguidance"
+
+
+def test_a_lexeme_too_large_for_the_lexer_is_refused_not_handed_on(tokenizer: Any) -> None:
+    """Three negated groups of nine patterns: llguidance's lexer gives up after a few tokens.
+    xgrammar, which would take it next, ignores the not entirely (every answer was a
+    violation): the schema is refused at compile, naming why."""
+    from pathlib import Path
+
+    from radixgen.constraints import make_backend
+    from radixgen.constraints.spec import ConstraintSpec
+    from radixgen.errors import UnenforceableConstraintError
+
+    path = Path(__file__).resolve().parent.parent / "data" / "maskbench-practice" / "Handwritten---allany17.json"
+    schema = json.loads(path.read_text())["schema"]
+    backend = make_backend("auto", tokenizer, 49152, [tokenizer.eos_token_id])
+    with pytest.raises(UnenforceableConstraintError, match="combined under not / oneOf, are too large to enforce"):
+        backend.compile(ConstraintSpec("json_schema", json.dumps(schema)))
