@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from radixgen.constraints.backend import Matcher
-from radixgen.constraints.spec import MAX_REGEX_STATES, state_budget
+from radixgen.constraints.spec import MAX_REGEX_STATES, pattern_branches, state_budget
 
 # Which character the walk tries first where several are allowed: closers (end a string, an
 # object, an array), then the shortest values (digits), then letters and punctuation.
@@ -442,10 +442,13 @@ def pattern_examples(schema: Any) -> tuple[str, ...]:
     deadline = time.monotonic() + PATTERN_EXAMPLES_S
     # short patterns first: a huge character class (a 10,000-character unicode "letter" class)
     # must not use up the time the others need
-    for pattern in sorted(patterns, key=len):
+    # each top-level alternative on its own: "(^Hpt_|^Int_|_Armour_)" has three shortest matches,
+    # and interegular reads no anchor but the ones at a branch's ends
+    branches = [branch for pattern in patterns for branch in pattern_branches(pattern)]
+    for branch in sorted(branches, key=len):
         if time.monotonic() > deadline:
             break
-        core = pattern[1:] if pattern.startswith("^") else pattern
+        core = branch[1:] if branch.startswith("^") else branch
         core = core[:-1] if core.endswith("$") and not core.endswith("\\$") else core
         try:
             # backwards from the accepting states, linear in the automaton (enumerating its

@@ -308,3 +308,51 @@ def _check_schema_types(schema: Any, path: str) -> None:
                 if not isinstance(sub, list):
                     raise InvalidConstraintError(f"schema at {where}.{key} must be a list")
                 stack.extend((v, f"{where}.{key}[{i}]") for i, v in enumerate(sub))
+
+
+def pattern_branches(pattern: str) -> list[str]:
+    """The top-level alternatives of a regex, a group around the whole pattern opened first
+    ("(^Hpt_|^Int_|_Armour_)" has three), each with its own anchors: JSON Schema patterns are
+    searched, so each alternative is anchored, or not, on its own."""
+    while pattern.startswith("(") and not pattern.startswith("(?") and _closing_paren(pattern, 0) == len(pattern) - 1:
+        pattern = pattern[1:-1]
+    branches, depth, start, escaped, in_class = [], 0, 0, False, False
+    for i, ch in enumerate(pattern):
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif ch == "|" and depth == 0:
+            branches.append(pattern[start:i])
+            start = i + 1
+    return [*branches, pattern[start:]]
+
+
+def _closing_paren(pattern: str, opening: int) -> int:
+    """Index of the parenthesis that closes the one at ``opening`` (-1 if none)."""
+    depth, escaped, in_class = 0, False, False
+    for i in range(opening, len(pattern)):
+        ch = pattern[i]
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth == 0:
+                return i
+    return -1

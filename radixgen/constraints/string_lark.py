@@ -22,6 +22,7 @@ import re
 from typing import Any
 
 from radixgen.constraints.refs import resolve_ref
+from radixgen.constraints.spec import pattern_branches
 
 _STRING_KEYWORDS = frozenset({"pattern", "minLength", "maxLength", "enum", "const", "allOf", "anyOf", "oneOf", "not",
                               "type", "$ref"})
@@ -121,7 +122,7 @@ def _searched(pattern: Any) -> str:
     if not isinstance(pattern, str):
         raise _Unsupported("a pattern that is not a string")
     branches = []
-    for branch in _top_level_alternatives(pattern):
+    for branch in pattern_branches(pattern):
         starts = branch.startswith("^")
         core = branch[1:] if starts else branch
         ends = core.endswith("$") and not core.endswith("\\$")
@@ -131,24 +132,3 @@ def _searched(pattern: Any) -> str:
         core = re.sub(r"(?<!\\)/", r"\\/", core)
         branches.append("/" + ("" if starts else "(?s:.*)") + f"(?:{core})" + ("" if ends else "(?s:.*)") + "/")
     return " | ".join(branches)
-
-
-def _top_level_alternatives(pattern: str) -> list[str]:
-    branches, depth, start, escaped, in_class = [], 0, 0, False, False
-    for i, ch in enumerate(pattern):
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = True
-        elif in_class:
-            in_class = ch != "]"
-        elif ch == "[":
-            in_class = True
-        elif ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-        elif ch == "|" and depth == 0:
-            branches.append(pattern[start:i])
-            start = i + 1
-    return [*branches, pattern[start:]]

@@ -95,3 +95,19 @@ def test_a_digit_run_under_a_unit_pattern_is_closed_with_a_unit(walk: Any) -> No
     text = walk(schema, prefix)
     assert text is not None and len(text) <= 12, text
     jsonschema.validate(json.loads(prefix + text), schema)
+
+
+def test_a_pattern_whose_alternatives_carry_their_own_anchors_is_completed(walk: Any) -> None:
+    """"(^Hpt_|^Int_|_Armour_)": its anchors sit inside the group, which interegular cannot
+    read, so the pattern gave no example, the walk wrote letters forever, no completion was
+    found from the start and the answer ran to max_tokens unsteered."""
+    from radixgen.constraints.budget import pattern_examples
+
+    schema = {"type": "object", "properties": {"modules": {"type": "array", "minItems": 1, "items": {
+        "type": "string", "minLength": 1, "pattern": "(^Hpt_|^Int_|_Armour_)"}}},
+        "required": ["modules"], "additionalProperties": False}
+    strings = pattern_examples(schema)
+    assert set(strings) == {"Hpt_", "Int_", "_Armour_"}
+    text = walk(schema, "", strings=strings)
+    assert text is not None, "no completion"
+    jsonschema.validate(json.loads(text), schema)
