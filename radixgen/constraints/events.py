@@ -300,6 +300,7 @@ class Validation:
         self.scanner = JsonScanner()
         self._items: dict[Path, list[str]] = {}  # array path -> its completed items (canonical JSON)
         self._rejections: dict[Path, int] = {}  # kept across rollbacks
+        self._repeats_in: dict[Path, int] = {}  # array path -> items refused as repeats (kept too)
 
     settled = 0
     """Chars of the output no rejection can reach back into: none, the whole value is checked
@@ -322,7 +323,7 @@ class Validation:
                 canonical = json.dumps(value.value, sort_keys=True)
                 repeated = self._repeats(value, canonical)
                 if repeated is not None:
-                    return Rejection(value.path, value.start, repeated, isinstance(value.value, str))
+                    return self._repeat_rejection(value, repeated)
                 self._items.setdefault(value.path[:-1], []).append(canonical)
             try:
                 reason = self._check(value)
@@ -332,6 +333,21 @@ class Validation:
                 return Rejection(value.path, value.start, reason, isinstance(value.value, str),
                                  replacement=self._replacement(value), end=value.end)
         return None
+
+    def _repeat_rejection(self, value: CompletedValue, reason: str) -> Rejection:
+        """Roll a repeated array item back; once its array has had ``SEARCH_AFTER`` repeats, close
+        the array before it instead (the separator goes, "]" is written): a model that repeats
+        itself in a uniqueItems list keeps repeating, and every retry used to be spent on it.
+        Where the automaton refuses "]" there (minItems), the item is resampled as before."""
+        array = value.path[:-1]
+        count = self._repeats_in[array] = self._repeats_in.get(array, 0) + 1
+        text = self.scanner.text
+        separator = value.start - 1
+        while separator >= 0 and text[separator] in " \t\r\n":
+            separator -= 1
+        if count < self.SEARCH_AFTER or separator < 0 or text[separator] != ",":
+            return Rejection(value.path, value.start, reason, isinstance(value.value, str))
+        return Rejection(value.path, separator, reason, replacement="]")
 
     def _replacement(self, value: CompletedValue) -> str | None:
         count = self._rejections[value.path] = self._rejections.get(value.path, 0) + 1

@@ -50,7 +50,8 @@ class ConstraintReport:
     steered_tokens: int = 0
     """Tokens budget steering wrote instead of the model's choice to finish in time."""
     searched_values: int = 0
-    """Numbers the grammar cannot express whose valid value was searched for and written."""
+    """Values the validators wrote in place of rejected ones: a number or a listed literal the
+    grammar cannot express, searched for, or a "]" that closed a list repeating itself."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

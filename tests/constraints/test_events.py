@@ -129,3 +129,21 @@ def test_repeated_array_items(mode: str, unique_items: bool, refused: bool) -> N
         assert validation.feed('"b"') is not None
         validation.reset('{"tags": ["a", "b", ')
         assert validation.feed('"c"]}') is None
+
+
+def test_a_list_that_keeps_repeating_itself_is_closed_before_the_repeat() -> None:
+    """The first repeat is resampled; from the second, the array is closed where the repeat
+    began: the rollback reaches back to its separator and "]" is written there."""
+    from radixgen.constraints.events import SchemaValidators, Validation
+
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                        "uniqueItems": True}}}
+    validation = Validation(schema=SchemaValidators(schema))
+    kept = '{"tags": ["a", "b"'
+    assert validation.feed(kept + ', ') is None
+    first = validation.feed('"a"')
+    assert first is not None and first.replacement is None and first.start == len(kept) + 2
+    validation.reset(kept + ', ')
+    second = validation.feed('"b"')
+    assert second is not None and second.replacement == "]" and second.start == len(kept), second
+    assert not second.is_string  # the ban falls on the separator's token, not inside a string

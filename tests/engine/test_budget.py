@@ -297,3 +297,13 @@ def test_a_string_under_patterns_combined_with_not_is_valid_or_an_error(real_eng
     else:
         assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.text[-200:])
         jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.real_model
+def test_a_unique_list_the_model_keeps_repeating_is_closed_before_the_repeat(real_engine: Engine) -> None:
+    """A uniqueItems list of tags: the model repeats an earlier tag whatever it is given; every
+    retry went to the repeat and the answer ended in constraint_violation."""
+    schema, out = _practice_answer(real_engine, "JsonSchemaStore---drupal-migration.json", prompt_chars=2000)
+    assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.error, out.text[-200:])
+    jsonschema.validate(json.loads(out.text), schema)
+    assert out.constraint is not None and out.constraint.searched_values >= 1
