@@ -30,8 +30,8 @@ DEFAULT_OPTIONS = GrammarOptions()
 def grammar_schema(schema: Any, options: GrammarOptions = DEFAULT_OPTIONS) -> Any:
     """What the backends compile for ``schema`` (read by its draft: ``drafts.as_2020_12``)."""
     schema = as_2020_12(schema)
-    schema = limit_recursion(integral_counts(bound_numbers(declare_required(require_dependents(type_object_branches(schema))))),
-                             options.max_recursion_depth)
+    schema = limit_recursion(integral_counts(bound_numbers(declare_required(require_dependents(
+        fold_required_branches(type_object_branches(schema)))))), options.max_recursion_depth)
     return schema if options.open_objects else close_objects(schema)
 
 
@@ -113,6 +113,32 @@ def _type_branches_here(root: dict[str, Any], out: dict[str, Any]) -> dict[str, 
     if len(untyped) >= 2:
         out["oneOf"] = [{**b, "type": "object"} if i in untyped and isinstance(b, dict) else b
                         for i, b in enumerate(branches)]
+    return out
+
+
+def fold_required_branches(schema: Any) -> Any:
+    """A copy of ``schema`` where an object whose ``anyOf`` / ``oneOf`` members only list
+    ``required`` names ("content or embeds") has its own object keywords copied into each
+    member. The same instances are valid, but each member is now a whole object schema: xgrammar
+    read a bare ``{"required": ["content"]}`` member as any object with that key, and let
+    properties the parent's ``additionalProperties: false`` forbids through."""
+    return _bottom_up(schema, _fold_required_here)
+
+
+def _fold_required_here(out: dict[str, Any]) -> dict[str, Any]:
+    shared = {k: v for k, v in out.items() if k in _OBJECT_ONLY}
+    if "properties" not in shared or out.get("type") not in ("object", None):
+        return out
+    for keyword in ("anyOf", "oneOf"):
+        members = out.get(keyword)
+        if not (isinstance(members, list) and members and all(
+                isinstance(m, dict) and set(m) - _ANNOTATIONS == {"required"} and isinstance(m["required"], list)
+                for m in members)):
+            continue
+        base = [r for r in shared.get("required", []) if isinstance(r, str)] if isinstance(shared.get("required"), list) else []
+        out[keyword] = [{**shared, "type": "object",
+                         "required": [*base, *(r for r in m["required"] if isinstance(r, str) and r not in base)]}
+                        for m in members]
     return out
 
 

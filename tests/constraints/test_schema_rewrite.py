@@ -271,3 +271,32 @@ def test_a_required_propertys_dependents_are_required_in_the_grammar(tokenizer: 
     for backend in ("xgrammar", "llguidance", "auto"):
         with pytest.raises(InvalidConstraintError):
             make_backend(backend, tokenizer, 49152, [tokenizer.eos_token_id]).compile(schema_spec(endless))
+
+
+WEBHOOK = {"type": "object", "additionalProperties": False,
+           "properties": {"content": {"type": "string"}, "embeds": {"type": "array", "items": {"type": "string"}},
+                          "tts": {"type": "boolean"}},
+           "anyOf": [{"required": ["content"]}, {"required": ["embeds"]}]}
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_required_only_branches_carry_the_objects_own_keywords(tokenizer: Any, backend: str) -> None:
+    """"content or embeds" beside additionalProperties false: xgrammar read the bare
+    {"required": ["content"]} branch as any object with that key and let a "description"
+    through, which the validators then refused at every retry."""
+    import jsonschema
+
+    from radixgen.constraints.schema_rewrite import fold_required_branches
+
+    branches = fold_required_branches(WEBHOOK)["anyOf"]
+    assert [b["required"] for b in branches] == [["content"], ["embeds"]]
+    assert all(b["additionalProperties"] is False and b["properties"] == WEBHOOK["properties"] for b in branches)
+    grammar = make_backend(backend, tokenizer, 49152, [tokenizer.eos_token_id]).compile(schema_spec(WEBHOOK))
+
+    def accepts(text: str) -> bool:
+        matcher = grammar.matcher()
+        return matcher.accept_all(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_completed()
+
+    for text in ('{"content": "hi", "description": "x"}', '{"content": "hi", "tts": true}', '{"tts": true}',
+                 '{"embeds": ["a"]}'):
+        assert accepts(text) == jsonschema.Draft7Validator(WEBHOOK).is_valid(json.loads(text)), text
