@@ -3,6 +3,7 @@ bounded and every backend reads it the same way. Validators keep the caller's ow
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ def grammar_schema(schema: Any, options: GrammarOptions = DEFAULT_OPTIONS) -> An
     """What the backends compile for ``schema`` (read by its draft: ``drafts.as_2020_12``)."""
     schema = as_2020_12(schema)
     schema = limit_recursion(integral_counts(bound_numbers(declare_required(require_dependents(
-        fold_required_branches(type_object_branches(schema)))))), options.max_recursion_depth)
+        discriminated_conditions(type_object_branches(schema)))))), options.max_recursion_depth)
     return schema if options.open_objects else close_objects(schema)
 
 
@@ -116,12 +117,65 @@ def _type_branches_here(root: dict[str, Any], out: dict[str, Any]) -> dict[str, 
     return out
 
 
+def discriminated_conditions(schema: Any) -> Any:
+    """A copy of ``schema`` where an object's ``allOf`` of ``if: {properties: {P: {const: X}}}`` /
+    ``then: S_X`` pairs, one per value of a required property P whose ``enum`` lists exactly those
+    values, becomes ``anyOf`` over "P is X and S_X". The same instances are valid (exactly one
+    condition holds), but the grammar backends, which leave ``if`` / ``then`` out, now enforce each
+    branch: a "fixed" target size could be written with any properties its ``then`` forbids."""
+    return _bottom_up(schema, _discriminate_here)
+
+
+def _discriminate_here(out: dict[str, Any]) -> dict[str, Any]:
+    conditions = out.get("allOf")
+    properties = out.get("properties")
+    if "anyOf" in out or not isinstance(conditions, list) or not conditions or not isinstance(properties, dict):
+        return out
+    branches: dict[str, list[Any]] = {}  # property -> [(value, then)]
+    for member in conditions:
+        pair = _condition_pair(member)
+        if pair is None:
+            return out
+        name, value, then = pair
+        branches.setdefault(name, []).append((value, then))
+    if len(branches) != 1:
+        return out
+    (name, pairs), = branches.items()
+    listed = properties.get(name, {}).get("enum") if isinstance(properties.get(name), dict) else None
+    values = [json.dumps(v, sort_keys=True) for v, _ in pairs]
+    if (name not in (out.get("required") or []) or not isinstance(listed, list) or len(set(values)) != len(values)
+            or sorted(values) != sorted(json.dumps(v, sort_keys=True) for v in listed)):
+        return out
+    rest = {k: v for k, v in out.items() if k != "allOf"}
+    rest["anyOf"] = [{"allOf": [{"properties": {name: {"const": value}}, "required": [name]}, then]}
+                     for value, then in pairs]
+    return rest
+
+
+def _condition_pair(member: Any) -> tuple[str, Any, Any] | None:
+    """(P, X, S) for an ``{"if": {"properties": {P: {"const": X}}}, "then": S}`` member, else None."""
+    if not isinstance(member, dict) or set(member) - _ANNOTATIONS != {"if", "then"}:
+        return None
+    condition = member["if"]
+    if not isinstance(condition, dict) or set(condition) - _ANNOTATIONS - {"required"} != {"properties"}:
+        return None
+    tested = condition["properties"]
+    if not isinstance(tested, dict) or len(tested) != 1:
+        return None
+    (name, test), = tested.items()
+    if not isinstance(test, dict) or set(test) - _ANNOTATIONS != {"const"}:
+        return None
+    return name, test["const"], member["then"]
+
+
 def fold_required_branches(schema: Any) -> Any:
     """A copy of ``schema`` where an object whose ``anyOf`` / ``oneOf`` members only list
     ``required`` names ("content or embeds") has its own object keywords copied into each
     member. The same instances are valid, but each member is now a whole object schema: xgrammar
     read a bare ``{"required": ["content"]}`` member as any object with that key, and let
-    properties the parent's ``additionalProperties: false`` forbids through."""
+    properties the parent's ``additionalProperties: false`` forbids through. For xgrammar only
+    (after ``grammar_schema``): llguidance reads such members right, and the copies of the
+    object's references made it lose a nested required property."""
     return _bottom_up(schema, _fold_required_here)
 
 
@@ -131,15 +185,23 @@ def _fold_required_here(out: dict[str, Any]) -> dict[str, Any]:
         return out
     for keyword in ("anyOf", "oneOf"):
         members = out.get(keyword)
-        if not (isinstance(members, list) and members and all(
-                isinstance(m, dict) and set(m) - _ANNOTATIONS == {"required"} and isinstance(m["required"], list)
-                for m in members)):
+        if not (isinstance(members, list) and members and all(_only_requires(m) for m in members)):
             continue
         base = [r for r in shared.get("required", []) if isinstance(r, str)] if isinstance(shared.get("required"), list) else []
         out[keyword] = [{**shared, "type": "object",
                          "required": [*base, *(r for r in m["required"] if isinstance(r, str) and r not in base)]}
                         for m in members]
     return out
+
+
+def _only_requires(member: Any) -> bool:
+    """A branch that lists required names and nothing else (``declare_required`` may have
+    declared those names with empty schemas)."""
+    if not isinstance(member, dict) or not isinstance(member.get("required"), list):
+        return False
+    declared = member.get("properties", {})
+    return set(member) - _ANNOTATIONS <= {"required", "properties"} and isinstance(declared, dict) and all(
+        sub in ({}, True) for sub in declared.values())
 
 
 def _local_target(root: dict[str, Any], node: Any) -> Any:

@@ -11,7 +11,12 @@ import torch
 
 from radixgen.constraints.backend import Grammar, GrammarBackend, Matcher
 from radixgen.constraints.drafts import as_2020_12
-from radixgen.constraints.schema_rewrite import DEFAULT_OPTIONS, GrammarOptions, grammar_schema
+from radixgen.constraints.schema_rewrite import (
+    DEFAULT_OPTIONS,
+    GrammarOptions,
+    fold_required_branches,
+    grammar_schema,
+)
 from radixgen.constraints.spec import ConstraintSpec
 from radixgen.constraints.structural import structural_parts, structure_of, xgrammar_structural_tag
 from radixgen.constraints.xgrammar_subset import (
@@ -111,7 +116,7 @@ class XGrammarBackend(GrammarBackend):
             if spec.kind == "regex":
                 compiled = self._compiler.compile_regex(spec.value)
             elif spec.kind == "json_schema":
-                schema = grammar_schema(spec.schema(), self.options)
+                schema = fold_required_branches(grammar_schema(spec.schema(), self.options))
                 if not within_xgrammar_subset(as_2020_12(spec.schema())):
                     schema = readable_by_xgrammar(schema, close_objects=not self.options.open_objects)
                 compiled = self._compiler.compile_json_schema(

@@ -300,3 +300,33 @@ def test_required_only_branches_carry_the_objects_own_keywords(tokenizer: Any, b
     for text in ('{"content": "hi", "description": "x"}', '{"content": "hi", "tts": true}', '{"tts": true}',
                  '{"embeds": ["a"]}'):
         assert accepts(text) == jsonschema.Draft7Validator(WEBHOOK).is_valid(json.loads(text)), text
+
+
+TARGET_SIZE = {"type": "object", "properties": {"type": {"enum": ["fixed", "maxAvailable"]}}, "required": ["type"],
+               "allOf": [{"if": {"properties": {"type": {"const": "fixed"}}}, "then": {"$ref": "#/$defs/fixed"}},
+                         {"if": {"properties": {"type": {"const": "maxAvailable"}}}, "then": {"$ref": "#/$defs/most"}}],
+               "$defs": {"fixed": {"type": "object", "properties": {"type": {}, "size": {"type": "integer"}},
+                                   "required": ["size"], "additionalProperties": False},
+                         "most": {"type": "object", "properties": {"type": {}}, "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("backend", ["auto", "llguidance"])
+def test_conditions_on_a_listed_property_become_branches_the_grammar_enforces(tokenizer: Any, backend: str) -> None:
+    """if type is "fixed" then a size, if "maxAvailable" then nothing else: the backends leave
+    if / then out, and the model wrote a "fixed" target with the schema's own keywords in it."""
+    import jsonschema
+
+    from radixgen.constraints.schema_rewrite import discriminated_conditions
+
+    rewritten = discriminated_conditions(TARGET_SIZE)
+    assert "allOf" not in rewritten and len(rewritten["anyOf"]) == 2
+    assert discriminated_conditions({**TARGET_SIZE, "required": []}) == {**TARGET_SIZE, "required": []}  # not exhaustive
+    grammar = make_backend(backend, tokenizer, 49152, [tokenizer.eos_token_id]).compile(schema_spec(TARGET_SIZE))
+
+    def accepts(text: str) -> bool:
+        matcher = grammar.matcher()
+        return matcher.accept_all(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_completed()
+
+    for text in ('{"type": "fixed", "size": 256}', '{"type": "fixed", "description": "x"}', '{"type": "fixed"}',
+                 '{"type": "maxAvailable"}', '{"type": "maxAvailable", "size": 1}'):
+        assert accepts(text) == jsonschema.Draft202012Validator(TARGET_SIZE).is_valid(json.loads(text)), text
