@@ -314,9 +314,25 @@ def pattern_branches(pattern: str) -> list[str]:
     """The top-level alternatives of a regex, a group around the whole pattern opened first
     ("(^Hpt_|^Int_|_Armour_)" has three), each with its own anchors: JSON Schema patterns are
     searched, so each alternative is anchored, or not, on its own."""
-    while pattern.startswith("(") and not pattern.startswith("(?") and _closing_paren(pattern, 0) == len(pattern) - 1:
+    while pattern.startswith("(") and not pattern.startswith("(?") and _closing_paren(pattern) == len(pattern) - 1:
         pattern = pattern[1:-1]
-    branches, depth, start, escaped, in_class = [], 0, 0, False, False
+    branches, start = [], 0
+    for i, ch, depth in _structure(pattern):
+        if ch == "|" and depth == 0:
+            branches.append(pattern[start:i])
+            start = i + 1
+    return [*branches, pattern[start:]]
+
+
+def _closing_paren(pattern: str) -> int:
+    """Index of the parenthesis that closes the one the pattern opens with (-1 if none)."""
+    return next((i for i, ch, depth in _structure(pattern) if ch == ")" and depth == 0), -1)
+
+
+def _structure(pattern: str) -> Iterator[tuple[int, str, int]]:
+    """The pattern's characters outside escapes and character classes, each with the group
+    depth after it."""
+    depth, escaped, in_class = 0, False, False
     for i, ch in enumerate(pattern):
         if escaped:
             escaped = False
@@ -326,33 +342,6 @@ def pattern_branches(pattern: str) -> list[str]:
             in_class = ch != "]"
         elif ch == "[":
             in_class = True
-        elif ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-        elif ch == "|" and depth == 0:
-            branches.append(pattern[start:i])
-            start = i + 1
-    return [*branches, pattern[start:]]
-
-
-def _closing_paren(pattern: str, opening: int) -> int:
-    """Index of the parenthesis that closes the one at ``opening`` (-1 if none)."""
-    depth, escaped, in_class = 0, False, False
-    for i in range(opening, len(pattern)):
-        ch = pattern[i]
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = True
-        elif in_class:
-            in_class = ch != "]"
-        elif ch == "[":
-            in_class = True
-        elif ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-            if depth == 0:
-                return i
-    return -1
+        else:
+            depth += (ch == "(") - (ch == ")")
+            yield i, ch, depth
