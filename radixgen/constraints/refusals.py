@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from radixgen.constraints.refs import deref, resolve_ref
+from radixgen.constraints.schema_rewrite import ANNOTATIONS
 from radixgen.constraints.spec import ConstraintSpec
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas")
@@ -82,15 +83,12 @@ def _implied_members(root: dict[str, Any], node: dict[str, Any]) -> list[int]:
     implied = []
     for i, member in enumerate(members):
         member = deref(root, member)
-        if member is True or (isinstance(member, dict) and set(member) <= _ANNOTATIONS | {"required"}
+        if member is True or (isinstance(member, dict) and set(member) <= ANNOTATIONS | {"required"}
                               and isinstance(member.get("required", []), list)
                               and set(member.get("required", [])) <= required):
             implied.append(i)
     return implied
 
-
-_ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default", "deprecated", "readOnly",
-                          "writeOnly"})
 
 
 def _mandatory(root: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -127,16 +125,13 @@ def _one_of_without_a_single_match(root: dict[str, Any], node: dict[str, Any]) -
         kinds = _types(member)
         overlaps = allowed is None or kinds is None or bool(allowed & kinds) or (
             "number" in allowed and "integer" in kinds) or ("integer" in allowed and "number" in kinds)
-        keys.append(json.dumps({k: v for k, v in member.items() if k not in _ANNOTATIONS}, sort_keys=True)
+        keys.append(json.dumps({k: v for k, v in member.items() if k not in ANNOTATIONS}, sort_keys=True)
                     if overlaps else None)
     live = [i for i, key in enumerate(keys) if key is not None]
-    pairs = {i: next((j for j in live if j != i and keys[j] == keys[i]), None) for i in live}
-    if not live or any(twin is None for twin in pairs.values()):
+    twins = [next((j for j in live if j != i and keys[j] == keys[i]), -1) for i in live]
+    if not live or -1 in twins:
         return None
-    first = live[0]
-    twin = pairs[first]
-    assert twin is not None
-    return first, twin
+    return live[0], twins[0]
 
 
 def _types(node: dict[str, Any]) -> set[str] | None:

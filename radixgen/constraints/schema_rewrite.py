@@ -11,6 +11,10 @@ from typing import Any
 from radixgen.constraints.drafts import as_2020_12
 from radixgen.constraints.refs import deref
 
+ANNOTATIONS = frozenset({"description", "title", "default", "examples", "deprecated", "readOnly", "writeOnly",
+                          "$comment"})
+"""Keywords that say nothing about which values are valid."""
+
 
 @dataclass(frozen=True)
 class GrammarOptions:
@@ -154,16 +158,16 @@ def _discriminate_here(out: dict[str, Any]) -> dict[str, Any]:
 
 def _condition_pair(member: Any) -> tuple[str, Any, Any] | None:
     """(P, X, S) for an ``{"if": {"properties": {P: {"const": X}}}, "then": S}`` member, else None."""
-    if not isinstance(member, dict) or set(member) - _ANNOTATIONS != {"if", "then"}:
+    if not isinstance(member, dict) or set(member) - ANNOTATIONS != {"if", "then"}:
         return None
     condition = member["if"]
-    if not isinstance(condition, dict) or set(condition) - _ANNOTATIONS - {"required"} != {"properties"}:
+    if not isinstance(condition, dict) or set(condition) - ANNOTATIONS - {"required"} != {"properties"}:
         return None
     tested = condition["properties"]
     if not isinstance(tested, dict) or len(tested) != 1:
         return None
     (name, test), = tested.items()
-    if not isinstance(test, dict) or set(test) - _ANNOTATIONS != {"const"}:
+    if not isinstance(test, dict) or set(test) - ANNOTATIONS != {"const"}:
         return None
     return name, test["const"], member["then"]
 
@@ -200,13 +204,13 @@ def _only_requires(member: Any) -> bool:
     if not isinstance(member, dict) or not isinstance(member.get("required"), list):
         return False
     declared = member.get("properties", {})
-    return set(member) - _ANNOTATIONS <= {"required", "properties"} and isinstance(declared, dict) and all(
+    return set(member) - ANNOTATIONS <= {"required", "properties"} and isinstance(declared, dict) and all(
         sub in ({}, True) for sub in declared.values())
 
 
 def _local_target(root: dict[str, Any], node: Any) -> Any:
     """A branch that is only a local ``$ref`` (and annotations) read as its target."""
-    if isinstance(node, dict) and set(node) - _ANNOTATIONS == {"$ref"}:
+    if isinstance(node, dict) and set(node) - ANNOTATIONS == {"$ref"}:
         return deref(root, node)
     return node
 
@@ -365,7 +369,7 @@ def _refs_read_with_partners(node: Any, *, partnered: bool, found: set[str]) -> 
     if not isinstance(node, dict):
         return
     ref = node.get("$ref")
-    if isinstance(ref, str) and (partnered or set(node) - {"$ref"} - _ANNOTATIONS - _NOT_CONSTRAINTS):
+    if isinstance(ref, str) and (partnered or set(node) - {"$ref"} - ANNOTATIONS - _NOT_CONSTRAINTS):
         found.add(ref)
     adds_to_branches = bool(_SHAPE & node.keys())
     for key, value in node.items():
@@ -379,8 +383,6 @@ def _refs_read_with_partners(node: Any, *, partnered: bool, found: set[str]) -> 
 
 
 _SHAPE = frozenset({"properties", "patternProperties", "prefixItems", "items"})
-_ANNOTATIONS = frozenset({"description", "title", "default", "examples", "deprecated", "readOnly", "writeOnly",
-                          "$comment"})
 # Beside a $ref these constrain nothing: a recursive schema's root is a $ref beside its definitions.
 _NOT_CONSTRAINTS = frozenset({"$defs", "definitions", "$schema", "$id"})
 

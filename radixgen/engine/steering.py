@@ -109,7 +109,7 @@ class BudgetSteering:
                 matcher.rollback(len(completion.token_ids))
 
     @staticmethod
-    def _price_now(state: BudgetState, saved: BudgetSnapshot, room: int, before: Completion, tokens_left: int) -> bool:
+    def _price_now(state: BudgetState, saved: BudgetSnapshot, before: Completion, tokens_left: int) -> bool:
         """Whether a token far from the end (outside the window where every structural token is
         priced) needs its completion found now, while it can still be taken back.
 
@@ -124,7 +124,7 @@ class BudgetSteering:
         if len(state.containers) > len(saved.containers) and state.containers not in state.priced_nestings:
             state.priced_nestings.add(state.containers)
             return True
-        if room > _OPENING_WINDOW * max(_FAR_TOKENS, before.cost):
+        if tokens_left - 1 > _OPENING_WINDOW * max(_FAR_TOKENS, before.cost):
             return False
         return state.opened or (state.stale and state.priced_at - tokens_left >= _FAR_TOKENS)
 
@@ -162,7 +162,7 @@ class BudgetSteering:
             return None
         room = tokens_left - 1
         near = before is None or room - before.cost <= max(_FAR_TOKENS, before.cost)
-        if before is not None and not near and self._price_now(state, saved, room, before, tokens_left):
+        if before is not None and not near and self._price_now(state, saved, before, tokens_left):
             near, state.stale = True, True
         if not near:
             state.stale = state.stale or touched
