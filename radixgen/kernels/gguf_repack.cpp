@@ -32,7 +32,7 @@ struct TypeInfo {
   int64_t block_weights, block_bytes, record_bits;
 };
 
-TypeInfo type_info(int64_t type) {
+constexpr TypeInfo type_info(int64_t type) {
   switch (type) {
     case kQ4_0: return {32, 18, 4};
     case kQ4_1: return {32, 20, 4};
@@ -71,86 +71,113 @@ inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {
   }
 }
 
-void decode_group(int64_t type, const uint8_t* row, int64_t g, Group& out) {
+// One group of a block type, decoded; templated on the type so that every layout choice and
+// loop bound folds at compile time (a start repacks every weight of the file).
+template <int64_t kType>
+inline void decode_group(const uint8_t* row, int64_t g, Group& out) {
   out.scale[1] = 0.f, out.min = 0.f;
-  switch (type) {
-    case kQ4_0:
-    case kQ4_1:
-    case kQ5_0:
-    case kQ5_1: {
-      // d, then m (the _1 types), then 32 high bits (the Q5 types), then 16 bytes of nibbles
-      const bool with_min = type == kQ4_1 || type == kQ5_1, five_bits = type == kQ5_0 || type == kQ5_1;
-      const uint8_t* b = row + g * type_info(type).block_bytes;
-      const float d = half_at(b);
-      out.scale[0] = d, out.min = with_min ? half_at(b + 2) : (five_bits ? -16.f : -8.f) * d;
-      const uint8_t* qs = b + (with_min ? 4 : 2);
-      uint32_t qh = 0;
-      if (five_bits) std::memcpy(&qh, qs, 4), qs += 4;
-      for (int j = 0; j < 16; ++j) {
-        out.q[j] = (qs[j] & 0xF) | (((qh >> j) & 1) << 4);
-        out.q[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-      }
-      return;
+  if constexpr (kType == kQ4_0 || kType == kQ4_1 || kType == kQ5_0 || kType == kQ5_1) {
+    // d, then m (the _1 types), then 32 high bits (the Q5 types), then 16 bytes of nibbles
+    constexpr bool with_min = kType == kQ4_1 || kType == kQ5_1, five_bits = kType == kQ5_0 || kType == kQ5_1;
+    const uint8_t* b = row + g * type_info(kType).block_bytes;
+    const float d = half_at(b);
+    out.scale[0] = d, out.min = with_min ? half_at(b + 2) : (five_bits ? -16.f : -8.f) * d;
+    const uint8_t* qs = b + (with_min ? 4 : 2);
+    uint32_t qh = 0;
+    if constexpr (five_bits) std::memcpy(&qh, qs, 4), qs += 4;
+    for (int j = 0; j < 16; ++j) {
+      out.q[j] = (qs[j] & 0xF) | (((qh >> j) & 1) << 4);
+      out.q[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
     }
-    case kQ8_0: {
-      const uint8_t* b = row + g * 34;
-      out.scale[0] = half_at(b);
-      for (int j = 0; j < 32; ++j) out.q[j] = reinterpret_cast<const int8_t*>(b + 2)[j];
-      return;
-    }
-    case kQ4_K:
-    case kQ5_K: {
-      const int s = static_cast<int>(g % 8);
-      const uint8_t* b = row + (g / 8) * (type == kQ4_K ? 144 : 176);
-      int sc, m;
-      scale_min_k4(s, b + 4, &sc, &m);
-      out.scale[0] = half_at(b) * sc, out.min = -half_at(b + 2) * m;
-      const uint8_t* qs = b + (type == kQ4_K ? 16 : 48) + 32 * (s / 2);
-      for (int l = 0; l < 32; ++l) out.q[l] = s % 2 ? qs[l] >> 4 : qs[l] & 0xF;
-      if (type == kQ5_K)
-        for (int l = 0; l < 32; ++l) out.q[l] |= ((b[16 + l] >> s) & 1) << 4;
-      return;
-    }
-    case kQ6_K: {
-      const int s = static_cast<int>(g % 8), half = s / 4, quarter = s % 4;
-      const uint8_t* b = row + (g / 8) * 210;
-      const uint8_t* ql = b + 64 * half + (quarter % 2) * 32;
-      const uint8_t* qh = b + 128 + 32 * half;
-      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * half + 2 * quarter;
-      const float d = half_at(b + 208);
-      for (int l = 0; l < 32; ++l)
-        out.q[l] = (quarter < 2 ? ql[l] & 0xF : ql[l] >> 4) | (((qh[l] >> (2 * quarter)) & 3) << 4);
-      out.scale[0] = d * sc[0], out.scale[1] = d * sc[1];
-      return;
-    }
-    default: TORCH_CHECK(false, "gguf_repack: unsupported ggml type id ", type);
+  } else if constexpr (kType == kQ8_0) {
+    const uint8_t* b = row + g * 34;
+    out.scale[0] = half_at(b);
+    for (int j = 0; j < 32; ++j) out.q[j] = reinterpret_cast<const int8_t*>(b + 2)[j];
+  } else if constexpr (kType == kQ4_K || kType == kQ5_K) {
+    const int s = static_cast<int>(g % 8);
+    const uint8_t* b = row + (g / 8) * (kType == kQ4_K ? 144 : 176);
+    int sc, m;
+    scale_min_k4(s, b + 4, &sc, &m);
+    out.scale[0] = half_at(b) * sc, out.min = -half_at(b + 2) * m;
+    const uint8_t* qs = b + (kType == kQ4_K ? 16 : 48) + 32 * (s / 2);
+    const int shift = s % 2 ? 4 : 0;
+    for (int l = 0; l < 32; ++l) out.q[l] = (qs[l] >> shift) & 0xF;
+    if constexpr (kType == kQ5_K)
+      for (int l = 0; l < 32; ++l) out.q[l] |= ((b[16 + l] >> s) & 1) << 4;
+  } else {
+    static_assert(kType == kQ6_K, "a block type without a decoder");
+    const int s = static_cast<int>(g % 8), half = s / 4, quarter = s % 4;
+    const uint8_t* b = row + (g / 8) * 210;
+    const uint8_t* ql = b + 64 * half + (quarter % 2) * 32;
+    const uint8_t* qh = b + 128 + 32 * half;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * half + 2 * quarter;
+    const float d = half_at(b + 208);
+    const int low_shift = quarter < 2 ? 0 : 4, high_shift = 2 * quarter;
+    for (int l = 0; l < 32; ++l) out.q[l] = ((ql[l] >> low_shift) & 0xF) | (((qh[l] >> high_shift) & 3) << 4);
+    out.scale[0] = d * sc[0], out.scale[1] = d * sc[1];
   }
 }
 
-void write_lane(const Group& grp, int64_t bits, int64_t lane_row, uint8_t* rec) {
-  const int64_t qbytes = quant_bytes(bits);
-  for (int64_t e = 0; e < kGroup; ++e) {
-    const int64_t pair = e / 2, lane = 2 * lane_row + e % 2;
-    if (bits == 8) {
-      rec[32 * pair + lane] = static_cast<uint8_t>(static_cast<int8_t>(grp.q[e]));
-      continue;
-    }
-    const int64_t c = pair % 8;
-    const bool high_nibble = pair >= 8;
-    rec[32 * c + lane] |= static_cast<uint8_t>((grp.q[e] & 0xF) << (high_nibble ? 4 : 0));
-    if (bits != 4) {
-      const int ex = extra_bits(bits), h = high_rows(bits);
-      rec[256 + (c % h) * 32 + lane] |=
-          static_cast<uint8_t>((grp.q[e] >> 4) << ((c / h) * 2 * ex + (high_nibble ? ex : 0)));
+// One record: the same group of 16 rows (rows past the tensor's end hold zeros), each byte
+// composed once from the rows' values and stored, instead of nibbles OR-ed in one at a time.
+template <int kBits>
+inline void write_record(const Group* grp, uint8_t* rec) {
+  constexpr int64_t qbytes = quant_bytes(kBits);
+  if constexpr (kBits == 8) {
+    for (int64_t pair = 0; pair < 16; ++pair)
+      for (int64_t r = 0; r < kBlockRows; ++r)
+        for (int64_t j = 0; j < 2; ++j)
+          rec[32 * pair + 2 * r + j] = static_cast<uint8_t>(static_cast<int8_t>(grp[r].q[2 * pair + j]));
+  } else {
+    // lane 2r + j of nibble chunk c: element 2c + j (low nibble) and 2c + j + 16 (high nibble)
+    for (int64_t c = 0; c < 8; ++c)
+      for (int64_t r = 0; r < kBlockRows; ++r)
+        for (int64_t j = 0; j < 2; ++j)
+          rec[32 * c + 2 * r + j] =
+              static_cast<uint8_t>((grp[r].q[2 * c + j] & 0xF) | ((grp[r].q[2 * c + j + 16] & 0xF) << 4));
+    if constexpr (kBits != 4) {
+      // the bits above the nibble: chunks c and c + h share byte row c % h, at shift (c / h) * 2 * ex
+      constexpr int ex = extra_bits(kBits), h = high_rows(kBits);
+      for (int k = 0; k < h; ++k)
+        for (int64_t r = 0; r < kBlockRows; ++r)
+          for (int64_t j = 0; j < 2; ++j) {
+            uint32_t byte = 0;
+            for (int c = k; c < 8; c += h) {
+              const int shift = (c / h) * 2 * ex;
+              byte |= static_cast<uint32_t>(grp[r].q[2 * c + j] >> 4) << shift;
+              byte |= static_cast<uint32_t>(grp[r].q[2 * c + j + 16] >> 4) << (shift + ex);
+            }
+            rec[256 + k * 32 + 2 * r + j] = static_cast<uint8_t>(byte);
+          }
     }
   }
-  auto put_half = [&](int64_t offset, float value) {
+  auto put_half = [&](int64_t offset, int64_t r, float value) {
     const uint16_t bits16 = c10::Half(value).x;
-    std::memcpy(rec + offset + 2 * lane_row, &bits16, 2);
+    std::memcpy(rec + offset + 2 * r, &bits16, 2);
   };
-  put_half(qbytes, grp.scale[0]);
-  if (has_min(bits)) put_half(qbytes + kScaleBytes, grp.min);
-  if (bits == 6) put_half(qbytes + kScaleBytes, grp.scale[1]);
+  for (int64_t r = 0; r < kBlockRows; ++r) {
+    put_half(qbytes, r, grp[r].scale[0]);
+    if constexpr (has_min(kBits)) put_half(qbytes + kScaleBytes, r, grp[r].min);
+    if constexpr (kBits == 6) put_half(qbytes + kScaleBytes, r, grp[r].scale[1]);
+  }
+}
+
+template <int64_t kType>
+void repack_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t groups, int64_t row_bytes) {
+  constexpr int kBits = static_cast<int>(type_info(kType).record_bits);
+  constexpr int64_t stride = record_bytes(kBits);
+  const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    Group grp[kBlockRows] = {};
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t first = b * kBlockRows, here = std::min(kBlockRows, rows - first);
+      for (int64_t r = here; r < kBlockRows; ++r) grp[r] = Group{};
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t r = 0; r < here; ++r) decode_group<kType>(src + (first + r) * row_bytes, g, grp[r]);
+        write_record<kBits>(grp, dst + (b * groups + g) * stride);
+      }
+    }
+  });
 }
 
 // raw: uint8 [rows, row bytes] of one GGUF tensor (rows of `cols` weights) -> the records
@@ -163,21 +190,24 @@ at::Tensor gguf_repack(const at::Tensor& raw, int64_t type, int64_t cols) {
               info.block_weights);
   TORCH_CHECK(raw.size(1) == cols / info.block_weights * info.block_bytes, "gguf_repack: rows of ", raw.size(1),
               " bytes, expected ", cols / info.block_weights * info.block_bytes, " for ", cols, " weights");
-  const int64_t rows = raw.size(0), groups = cols / kGroup, bits = info.record_bits;
-  const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows, stride = record_bytes(bits);
-  at::Tensor out = at::zeros({blocks, groups, stride}, raw.options());
+  const int64_t rows = raw.size(0), groups = cols / kGroup;
+  const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
+  // every byte of a record is written (write_record), the rows past the end as zeros
+  at::Tensor out = at::empty({blocks, groups, record_bytes(info.record_bits)}, raw.options());
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t row_bytes = raw.size(1);
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    Group grp;
-    for (int64_t b = begin; b < end; ++b)
-      for (int64_t r = b * kBlockRows; r < std::min(rows, (b + 1) * kBlockRows); ++r)
-        for (int64_t g = 0; g < groups; ++g) {
-          decode_group(type, src + r * row_bytes, g, grp);
-          write_lane(grp, bits, r % kBlockRows, dst + (b * groups + g) * stride);
-        }
-  });
+  switch (type) {
+    case kQ4_0: repack_rows<kQ4_0>(src, dst, rows, groups, row_bytes); break;
+    case kQ4_1: repack_rows<kQ4_1>(src, dst, rows, groups, row_bytes); break;
+    case kQ5_0: repack_rows<kQ5_0>(src, dst, rows, groups, row_bytes); break;
+    case kQ5_1: repack_rows<kQ5_1>(src, dst, rows, groups, row_bytes); break;
+    case kQ8_0: repack_rows<kQ8_0>(src, dst, rows, groups, row_bytes); break;
+    case kQ4_K: repack_rows<kQ4_K>(src, dst, rows, groups, row_bytes); break;
+    case kQ5_K: repack_rows<kQ5_K>(src, dst, rows, groups, row_bytes); break;
+    case kQ6_K: repack_rows<kQ6_K>(src, dst, rows, groups, row_bytes); break;
+    default: TORCH_CHECK(false, "gguf_repack: unsupported ggml type id ", type);
+  }
   return out;
 }
 
