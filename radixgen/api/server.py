@@ -38,7 +38,7 @@ from radixgen.config import ServerConfig
 from radixgen.errors import EngineDeadError, OverloadedError, RadixgenError
 from radixgen.ipc.client import EngineClient
 from radixgen.ipc.handle import EngineHandle
-from radixgen.models.loader import DEFAULT_MODEL_NAME, is_hub_id
+from radixgen.models.loader import DEFAULT_MODEL_NAME, is_hub_id, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -106,15 +106,14 @@ def status_of(exc: Exception) -> int:
     return 400
 
 
-def _import_tokenizer_stack() -> Any:
+def _import_tokenizer_stack() -> None:
     """transformers' tokenizer loading, imported while the engine process starts: every model
     configuration class imports transformers' type validators, which pull in torch.distributed,
     and that ran after the engine was ready before."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # noqa: F401
 
     with contextlib.suppress(ImportError):  # an internal module: warming it is optional
         import transformers.utils.type_validators  # noqa: F401
-    return AutoTokenizer
 
 
 def create_app(config: ServerConfig, *, client: EngineHandle | None = None) -> FastAPI:
@@ -143,9 +142,9 @@ def _lifespan(config: ServerConfig, client: EngineHandle | None) -> Callable[[Fa
                                                          attach=config.engine_address)
         warm = asyncio.create_task(asyncio.to_thread(_import_tokenizer_stack))
         await engine.start()
-        AutoTokenizer = await warm  # noqa: N806 - the class, imported in the thread
+        await warm
         app.state.client = engine
-        app.state.tokenizer = AutoTokenizer.from_pretrained(engine.info["model_path"])
+        app.state.tokenizer = load_tokenizer(Path(engine.info["model_path"]))  # the class the engine reads
         if isinstance(engine, EngineClient):  # plain requests' text is made here, off the engine loop
             engine.tokenizer = app.state.tokenizer
         app.state.config = config

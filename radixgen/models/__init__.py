@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from radixgen.models.checkpoint import load_into, load_quantized_into
-from radixgen.models.config import ModelConfig
+from radixgen.models.config import ModelConfig, config_code_digest
 from radixgen.models.decoder import CausalLM
 from radixgen.models.families import FAMILIES, supported_architectures
 from radixgen.models.loader import (
@@ -20,6 +20,7 @@ from radixgen.models.loader import (
     gguf_index,
     gguf_tensor_types,
     load_state_dict,
+    load_tokenizer,
     resolve_model_dir,
     save_gguf_index,
     weight_bits,
@@ -66,19 +67,29 @@ def build_quantized_model(
     return model.eval()
 
 
-def _quantized_state(gguf_file: Path | None, hf_config: Any, model_dir: Path) -> dict[str, Any]:
+def _quantized_state(gguf_file: Path | None, cfg: ModelConfig, hf_config: Any, model_dir: Path,
+                     index: dict[str, Any] | None) -> dict[str, Any]:
     """The tensors a quantized model loads: a GGUF's read from the file (its header parsed once
-    and kept beside the converted config), other checkpoints' from their safetensors."""
+    and kept beside the converted config, with the model's config), other checkpoints' from their
+    safetensors."""
     if gguf_file is None:
         return dict(load_state_dict(model_dir))
     from radixgen.models.gguf_weights import read_gguf, remove_old_caches
 
     remove_old_caches(model_dir)
-    index = gguf_index(model_dir)
-    state, fresh = read_gguf(gguf_file, hf_config, index)
+    state, fresh = read_gguf(gguf_file, cfg, index, hf_config)
+    fresh["model_config"] = {"code": config_code_digest(), "config": cfg.to_json()}
     if fresh != index:
         save_gguf_index(model_dir, fresh)
     return state
+
+
+def _cached_config(index: dict[str, Any] | None) -> ModelConfig | None:
+    """The config an earlier start of this GGUF derived (None: none, or derived by other code)."""
+    cached = (index or {}).get("model_config")
+    if not isinstance(cached, dict) or cached.get("code") != config_code_digest() or "hf_names" not in (index or {}):
+        return None
+    return ModelConfig.from_json(cached["config"])
 
 
 def load_model(
@@ -87,8 +98,6 @@ def load_model(
 ) -> LoadedModel:
     """Load a checkpoint (HF folder, .gguf, hub id, or None for the bundled SmolLM2), its
     tokenizer and its generation config."""
-    from transformers import AutoConfig, AutoTokenizer
-
     gguf_file = gguf_file_of(model)
     model_dir = resolve_model_dir(model, float_weights=gguf_file is None)
     # a converted cache folder passed as a folder is a float checkpoint like any other
@@ -96,18 +105,24 @@ def load_model(
     bits = weight_bits(weights, gguf_tensor_types(model_dir) if gguf_file is not None else []) if device == "cpu" else None
     if bits is None and gguf_file is not None:
         model_dir = resolve_model_dir(model, float_weights=True)  # dequantized once, cached
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    cfg = ModelConfig.from_hf(hf_config)
+    index = gguf_index(model_dir) if bits is not None and gguf_file is not None else None
+    hf_config = None
+    cfg = _cached_config(index)
+    if cfg is None:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        cfg = ModelConfig.from_hf(hf_config)
     generation_eos, sampling = generation_defaults(model_dir)
     # an instruct model's end-of-turn tokens are EOS too (Llama 3's <|eot_id|>, Qwen's <|im_end|>)
-    cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + generation_eos)))
+    run_cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + generation_eos)))
     if bits is None:
-        net = build_model(cfg, load_state_dict(model_dir, device), dtype=torch_dtype(dtype), device=device)
+        net = build_model(run_cfg, load_state_dict(model_dir, device), dtype=torch_dtype(dtype), device=device)
     else:
-        net = build_quantized_model(cfg, _quantized_state(gguf_file, hf_config, model_dir), bits,
+        net = build_quantized_model(run_cfg, _quantized_state(gguf_file, cfg, hf_config, model_dir, index), bits,
                                     dtype=torch_dtype(dtype), device=device)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return LoadedModel(model=net, config=cfg, tokenizer=tokenizer, path=model_dir, sampling_defaults=sampling)
+    tokenizer = load_tokenizer(model_dir)
+    return LoadedModel(model=net, config=run_cfg, tokenizer=tokenizer, path=model_dir, sampling_defaults=sampling)
 
 
 __all__ = ["FAMILIES", "CausalLM", "LoadedModel", "ModelConfig", "build_model", "build_quantized_model", "load_model", "supported_architectures", "torch_dtype"]

@@ -8,11 +8,15 @@ values (window sizes, caps, expert counts) are read from the checkpoint's config
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
-from radixgen.models.families import Family, family_of
+from radixgen.models import families
+from radixgen.models.families import FAMILIES, Family, family_of
 
 LayerType = Literal["full_attention", "sliding_attention"]
 
@@ -85,6 +89,26 @@ class ModelConfig:
 
     def window_of(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def to_json(self) -> dict[str, Any]:
+        """The config as JSON values (``from_json`` reads them back equal), cached beside a GGUF's
+        index so that a later start skips transformers' config classes (seconds to import)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**fields, "family": self.family.name, "moe": dataclasses.asdict(self.moe) if self.moe else None,
+                "rope": {kind: dataclasses.asdict(spec) for kind, spec in self.rope.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelConfig:
+        fields = dict(data)
+        fields["family"] = next(family for family in FAMILIES if family.name == data["family"])
+        fields["moe"] = MoeSpec(**data["moe"]) if data["moe"] else None
+        fields["rope"] = {kind: RopeSpec(tuple(spec["inv_freq"]), spec["attention_factor"],
+                                         tuple(spec["long_inv_freq"]) if spec["long_inv_freq"] else None,
+                                         spec["long_from"])
+                          for kind, spec in data["rope"].items()}
+        for name in ("eos_token_ids", "layer_types", "moe_layers"):
+            fields[name] = tuple(data[name])
+        return cls(**fields)
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -200,3 +224,12 @@ def _rope_specs(hf: Any, layer_types: set[str], head_dim: int) -> dict[str, Rope
             raise ValueError(f"rope type {kind!r} gave a non-finite attention factor")
         specs[layer_type] = RopeSpec(tuple(inv.float().tolist()), float(factor), long_inv, long_from)
     return specs
+
+
+def config_code_digest() -> str:
+    """Names the code that derives a ``ModelConfig`` from a checkpoint's config: a cached
+    ``to_json`` is read back only while this is unchanged (a new field or family rule rebuilds it)."""
+    digest = hashlib.sha256()
+    for path in (Path(__file__), Path(families.__file__)):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]

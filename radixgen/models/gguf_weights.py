@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixgen.models.config import ModelConfig
 from radixgen.models.gguf_file import GGUFFile, TensorInfo
 from radixgen.models.quantized import PackedWeight, QuantizedWeight, quantize
 
@@ -120,15 +121,18 @@ def remove_old_caches(cache_folder: Path) -> None:
         (cache_folder / name).unlink(missing_ok=True)
 
 
-def read_gguf(path: Path, hf_config: Any, index: dict[str, Any] | None = None,
+def read_gguf(path: Path, cfg: ModelConfig, index: dict[str, Any] | None = None, hf_config: Any = None,
               ) -> tuple[dict[str, torch.Tensor | GGUFTensor], dict[str, Any]]:
     """The file's tensors by HF name: vectors (norms, biases) as float tensors, matrices read
     lazily (``GGUFTensor``); and the index to pass next time for this file (its parsed header
-    and the names' map: finding the names imports transformers' model class, seconds)."""
+    and the names' map: finding the names imports transformers' model class, seconds, and needs
+    ``hf_config``, the transformers config, where ``index`` has no map)."""
     file = GGUFFile(path, index.get("header") if index else None)
     arch = file.architecture
     to_hf = index.get("hf_names") if index else None
     if not isinstance(to_hf, dict):
+        if hf_config is None:
+            raise ValueError(f"{path.name}: its tensor names are not indexed yet; pass the transformers config")
         to_hf = _hf_names(arch, hf_config)
     out: dict[str, torch.Tensor | GGUFTensor] = {}
     for info in file.tensors.values():
@@ -137,8 +141,7 @@ def read_gguf(path: Path, hf_config: Any, index: dict[str, Any] | None = None,
             continue  # e.g. rope_freqs: recomputed from the config
         order = None
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = hf_config.num_attention_heads if "q_proj" in hf_name else hf_config.num_key_value_heads
-            order = _unpermute_rows(info.shape[0], heads)
+            order = _unpermute_rows(info.shape[0], cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads)
         tensor = GGUFTensor(file, info, order)
         if len(info.shape) > 1:
             out[hf_name] = tensor

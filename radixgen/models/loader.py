@@ -235,6 +235,20 @@ def save_gguf_index(model_dir: Path, index: dict[str, Any]) -> None:
     tmp.replace(model_dir / _INDEX_NAME)
 
 
+def load_tokenizer(model_dir: Path) -> Any:
+    """The model's transformers tokenizer. A folder converted from a GGUF holds the tokenizer.json
+    its family's class wrote at the conversion: it is read as it is, by the class every fast
+    tokenizer shares, which skips importing every model family's module through ``AutoTokenizer``
+    (a second or more of each start) and the family class's rebuild of the same pipeline."""
+    if (model_dir / _DONE_MARKER).exists() and (model_dir / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
 def gguf_tensor_types(model_dir: Path) -> list[str]:
     """The tensor types of the GGUF a cache folder was converted from ([] for other folders)."""
     marker = model_dir / _DONE_MARKER

@@ -100,3 +100,64 @@ def test_an_unknown_model_path_names_what_is_accepted(model: str) -> None:
     with pytest.raises(FileNotFoundError, match="neither an HF folder, a .gguf file nor a hub id"):
         load_model(model)
 
+
+
+def test_every_familys_config_reads_back_equal_from_its_json() -> None:
+    from radixgen.models import ModelConfig
+    from tests.models.families import family_configs
+
+    for case, hf_config in family_configs().items():
+        cfg = ModelConfig.from_hf(hf_config)
+        assert ModelConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg, case
+
+
+# a GGUF's second start: the config and tokenizer from the cache folder, no family module imported
+_SECOND_START = """
+import json, sys
+from radixgen.models import load_model
+loaded = load_model()
+print(json.dumps({"family_modules": sorted(m for m in sys.modules if m.startswith("transformers.models.")),
+                  "config": loaded.config.to_json(),
+                  "ids": loaded.tokenizer.encode(sys.argv[1]), "eos": loaded.tokenizer.eos_token_id,
+                  "chat": loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                              add_generation_prompt=True)}))
+"""
+
+
+def test_a_ggufs_second_start_reads_config_and_tokenizer_without_transformers_family_modules(
+        default_model_dir: Path, tokenizer: Any) -> None:
+    """A first start derives the config through transformers' classes and caches it in the GGUF's
+    index; a second start reads it and the tokenizer.json as they are. Both must equal what
+    transformers' own classes give."""
+    if os.environ.get("RADIXGEN_TEST_MODEL_DIR"):
+        pytest.skip("the bundled GGUF is not installed here")
+    from transformers import AutoConfig
+
+    from radixgen.models import ModelConfig
+
+    load_model()  # the first start writes the index, if no test did before
+    text = "Hello, wörld!  <|im_start|>user\n{\"id\": 12.5e-3, \"name\": \"Ann\"}\n\n\t don't"
+    result = subprocess.run([sys.executable, "-c", _SECOND_START, text], capture_output=True, text=True, cwd=ROOT,
+                            timeout=120, check=True)
+    second = json.loads(result.stdout.strip().splitlines()[-1])
+    assert second["family_modules"] == []
+    derived = ModelConfig.from_hf(AutoConfig.from_pretrained(default_model_dir))
+    assert ModelConfig.from_json(second["config"]).rope == derived.rope
+    assert second["config"]["num_layers"] == derived.num_layers and second["config"]["family"] == derived.family.name
+    assert second["ids"] == tokenizer.encode(text)
+    assert second["eos"] == tokenizer.eos_token_id
+    assert second["chat"] == tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                           add_generation_prompt=True)
+
+
+def test_a_config_cached_by_other_code_is_derived_again(default_model_dir: Path) -> None:
+    from radixgen.models import _cached_config
+    from radixgen.models.loader import gguf_index
+
+    if os.environ.get("RADIXGEN_TEST_MODEL_DIR"):
+        pytest.skip("the bundled GGUF is not installed here")
+    load_model()
+    index = gguf_index(default_model_dir)
+    assert index is not None and _cached_config(index) is not None
+    stale = {**index, "model_config": {**index["model_config"], "code": "an older release"}}
+    assert _cached_config(stale) is None

@@ -52,7 +52,7 @@ def test_greedy_output_equals_the_float_reference(real_gguf: Path, kernels: Any)
     assert ours.model.embed.numel() == 0, "no float embedding"
     from transformers import AutoConfig
 
-    state, _ = read_gguf(real_gguf, AutoConfig.from_pretrained(ours.path))
+    state, _ = read_gguf(real_gguf, ours.config, None, AutoConfig.from_pretrained(ours.path))
     floats = {name: v.floats() if isinstance(v, GGUFTensor) else v for name, v in state.items()}
     reference = build_model(ours.config, floats, dtype=torch.float32)
     del floats, state
@@ -62,6 +62,28 @@ def test_greedy_output_equals_the_float_reference(real_gguf: Path, kernels: Any)
                                        tokenize=False)
         ids = tok.encode(text, add_special_tokens=False)
         assert _greedy(ours.model, ids, kernels) == _greedy(reference, ids, kernels), prompt
+
+
+def test_the_tokenizer_read_as_it_is_equals_its_family_class(real_gguf: Path) -> None:
+    """The converted folder's tokenizer.json, read by the shared fast class (as every start reads
+    it), tokenizes, decodes and templates as transformers' Qwen2 class does."""
+    from transformers import AutoTokenizer
+
+    from radixgen.models.loader import load_tokenizer, resolve_model_dir
+
+    folder = resolve_model_dir(real_gguf, float_weights=False)
+    ours, family = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert type(family).__name__ == "Qwen2Tokenizer" and type(ours) is not type(family)
+    texts = [*PROMPTS, "def f(x):\n\treturn x ** 2  # 平方\n", "<|im_start|>user\nhi<|im_end|>\n",
+             '{"total": 1234.50, "items": ["a", "b"]}', "  leading and trailing  ", "émojis 🙂 and ünïcode"]
+    for text in texts:
+        assert ours.encode(text) == family.encode(text), text
+        assert ours.decode(family.encode(text)) == family.decode(family.encode(text)), text
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[0]}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        family.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (ours.eos_token_id, ours.pad_token_id, ours.all_special_ids, len(ours)) == \
+        (family.eos_token_id, family.pad_token_id, family.all_special_ids, len(family))
 
 
 def test_an_extraction_is_answered_right_and_memory_follows_the_file(real_gguf: Path) -> None:
