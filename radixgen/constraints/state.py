@@ -1,13 +1,13 @@
 """A constrained request's state in the engine, owned by constrained decoding: its automaton, its
-validators and the bans and rollback they set, budget steering's view of it, and jump-forward's
+validators and the bans they set, budget steering's view of it, and jump-forward's
 forced tokens awaiting verification. ``Request.constraint`` holds it (None: unconstrained).
 
-The flags that carry work from one step to the next change only through the state's methods:
+What a token does within its step (go on, finish, roll back, extend) is the appender's return
+value to the applier (engine/row_outcome.py); a validator's rejection travels there as a
+``Rollback``. What carries from one step to the next changes only through the state's methods:
 
-- a validator's rejection: ``request_rollback`` (the appender, as the value completes) ->
-  ``take_rollback`` (the applier, after the step: truncate, ban, maybe write a searched value);
-- jump-forward: ``mark_forced`` (the appender, with the forced tokens appended) -> ``request_extend``
-  -> ``take_extend`` (the applier requeues the request: one prefill computes the forced tokens)
+- jump-forward: ``mark_forced`` (the appender, with the forced tokens appended; the applier then
+  requeues the request: one prefill computes the forced tokens)
   -> for greedy output the planner verifies them (``forced_pending``) -> ``record_mismatch``
   (constrained decoding, where the model would have chosen otherwise) -> ``take_mismatch``
   (the applier drops the forced tail and keeps the model's token); ``cancel_forced`` where the
@@ -27,7 +27,7 @@ from radixgen.constraints.events import Validation
 
 @dataclass(frozen=True)
 class Rollback:
-    """A validator's rejection, applied after the step: the output goes back to ``keep`` tokens
+    """A validator's rejection, applied by the applier: the output goes back to ``keep`` tokens
     and the token at ``ban_at`` is banned there when the model resamples."""
 
     keep: int
@@ -66,16 +66,12 @@ class ConstraintState:
     """Output text length after each output token (maps a rejected value's start to a token)."""
     bans: dict[int, set[int]] = field(default_factory=dict)
     """Output position -> tokens a validator rejected there (masked out when resampling)."""
-    pending_rollback: Rollback | None = None
-    """A rejection to apply after this step (``request_rollback`` / ``take_rollback``)."""
     num_rollbacks: int = 0
     dead_end: str | None = None
     """Why the automaton (with the validators' bans) allowed no token at this step, if it did not."""
     forced_pending: int = 0
     """Forced tokens at the end of the output not yet checked against the model's greedy choice."""
     forced_mismatch: ForcedMismatch | None = None
-    pending_extend: bool = False
-    """Jump-forward appended forced tokens: compute them in the next prefill (extend) step."""
     backend: str = ""
     """The compiler whose automaton this is (for the answer's report)."""
     completed: bool = False
@@ -87,13 +83,6 @@ class ConstraintState:
     searched_values: int = 0
     """Values the validators' search wrote in place of rejected ones."""
 
-    def request_rollback(self, rollback: Rollback) -> None:
-        self.pending_rollback = rollback
-
-    def take_rollback(self) -> Rollback | None:
-        rollback, self.pending_rollback = self.pending_rollback, None
-        return rollback
-
     def mark_forced(self, count: int, *, verify: bool) -> None:
         """Jump-forward appended ``count`` forced tokens; ``verify``: check them against the
         model's greedy choices in the step that computes them."""
@@ -104,13 +93,6 @@ class ConstraintState:
     def cancel_forced(self) -> None:
         """The output ended or rolled back before its forced tokens were verified."""
         self.forced_pending = 0
-
-    def request_extend(self) -> None:
-        self.pending_extend = True
-
-    def take_extend(self) -> bool:
-        extend, self.pending_extend = self.pending_extend, False
-        return extend
 
     def record_mismatch(self, mismatch: ForcedMismatch) -> None:
         self.forced_mismatch = mismatch

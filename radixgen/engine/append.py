@@ -17,9 +17,13 @@ from radixgen.engine.detokenizer import IncrementalDetokenizer
 from radixgen.engine.output import FinishReason, RequestOutput
 from radixgen.engine.plan import StepPlan
 from radixgen.engine.request import Request
+from radixgen.engine.row_outcome import EXTEND_FORCED, GO_ON, Ended, Finish, RollBack, RowOutcome
 from radixgen.engine.row_params import RowParams
 from radixgen.engine.sampler import SampleResult
 from radixgen.engine.steering import BudgetSteering
+
+Logprobs = tuple[float, list[tuple[int, float]]]
+"""A token's log-probability and the top alternatives' (id, log-probability)."""
 
 
 class TokenAppender:
@@ -48,39 +52,40 @@ class TokenAppender:
         self.detokenizers.pop(req.request_id, None)
 
     def append_token(
-        self, req: Request, token: int, result: SampleResult, row: int, *, allow_jump: bool = True
-    ) -> FinishReason | None:
+        self, req: Request, token: int, result: SampleResult, row: int, *, allow_jump: bool = True,
+        sampled: Logprobs | None = None,
+    ) -> RowOutcome:
         """Record a sampled token (and, with jump-forward, the tokens the constraint forces after
-        it; with budget steering, the tokens that close the output instead of it); return why
-        the request ends now, or None to go on."""
+        it; with budget steering, the tokens that close the output instead of it) and say what
+        follows for the request. ``sampled``: the token's log-probabilities where they are not
+        the batch row's (a verified draft, the model's own token found by forced verification)."""
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         state = req.constraint
         if state is None:  # the common, unconstrained case
-            self._record_logprobs(req, result, row)
-            return self._append_one(req, token)
+            self._record_logprobs(req, result, row, sampled)
+            return self._append_one(req, token) or GO_ON
         matcher = state.matcher
         if state.dead_end is not None:  # the caller's constraint cannot go on: say so, do not guess
             req.error, req.user_error = state.dead_end, True
-            return FinishReason.ERROR
+            return Finish(FinishReason.ERROR)
         if not matcher.accept(token):
             req.output_ids.append(token)
             req.error = f"internal error: the constraint rejected token {token} that its mask allowed"
-            return FinishReason.ERROR
+            return Finish(FinishReason.ERROR)
         if matcher.is_terminated():
-            self._record_logprobs(req, result, row)
+            self._record_logprobs(req, result, row, sampled)
             req.output_ids.append(token)
             return self._complete(req)  # the automaton accepted its stop token
         steer = None
         if state.budget is not None and self.steering is not None:
             steer = self.steering.after_accept(req, token, req.tokens_left(self.max_context_len))
-        if steer is not None:
+        if steer is not None:  # the sample and its log-probabilities are not kept
             self.replaced_samples.append(req)  # the sampler counted the replaced token for penalties
-            req.sample_override = None  # the sample it described is not kept
             tokens = steer.token_ids
             forced_from = 0
         else:
-            self._record_logprobs(req, result, row)
+            self._record_logprobs(req, result, row, sampled)
             tokens = self._jump_forward(req, token) if self.jump_forward and allow_jump else [token]
             forced_from = 1
             if len(tokens) > 1 and state.budget is not None and self.steering is not None:
@@ -88,17 +93,16 @@ class TokenAppender:
         for i, t in enumerate(tokens):
             if i >= forced_from:
                 self._record_forced_logprobs(req, t)
-            reason = self._append_one(req, t)
-            if reason is not None or state.pending_rollback is not None:
+            ended = self._append_one(req, t)
+            if ended is not None:
                 if i + 1 < len(tokens):
                     matcher.rollback(len(tokens) - 1 - i)  # forced tokens never appended
                 state.cancel_forced()
-                return self._complete(req) if reason is FinishReason.LENGTH and self._stop_here(req) else reason
+                at_length = isinstance(ended, Finish) and ended.reason is FinishReason.LENGTH
+                return self._complete(req) if at_length and self._stop_here(req) else ended
         if steer is not None and steer.finishes and self._stop_here(req):
             return self._complete(req)
-        if len(tokens) > 1:
-            state.request_extend()
-        return None
+        return EXTEND_FORCED if len(tokens) > 1 else GO_ON
 
     @staticmethod
     def gather_blocks(plan: StepPlan, rows: np.ndarray, tokens: np.ndarray, sinks: np.ndarray,
@@ -161,14 +165,13 @@ class TokenAppender:
                 outputs.append(out)
         return failed
 
-    def _record_logprobs(self, req: Request, result: SampleResult, row: int) -> None:
+    def _record_logprobs(self, req: Request, result: SampleResult, row: int, sampled: Logprobs | None) -> None:
         params = req.params
-        override, req.sample_override = req.sample_override, None
-        if override is not None:
+        if sampled is not None:
             if params.logprobs:
-                req.output_logprobs.append(override[0])
+                req.output_logprobs.append(sampled[0])
             if params.top_logprobs:
-                req.output_top_logprobs.append(override[1][: params.top_logprobs])
+                req.output_top_logprobs.append(sampled[1][: params.top_logprobs])
             return
         if result.logprobs is not None and params.logprobs:
             req.output_logprobs.append(float(result.logprobs[row]))
@@ -184,7 +187,7 @@ class TokenAppender:
         assert req.constraint is not None
         return req.constraint.matcher.is_completed()
 
-    def _complete(self, req: Request) -> FinishReason | None:
+    def _complete(self, req: Request) -> Ended:
         """The automaton is terminated: a bare root value (a number) completes only here, so
         the validators see it now; a rejection rolls back like any other."""
         assert req.constraint is not None
@@ -193,7 +196,7 @@ class TokenAppender:
             if rejection is not None:
                 return self._reject(req, rejection)
         req.constraint.completed = True
-        return FinishReason.STOP
+        return Finish(FinishReason.STOP)
 
     def _jump_forward(self, req: Request, token: int) -> list[int]:
         """The sampled token plus the tokens of the text the automaton forces next, appended
@@ -217,11 +220,12 @@ class TokenAppender:
         state.mark_forced(len(ids), verify=req.params.is_greedy)
         return [token, *ids]
 
-    def _append_one(self, req: Request, token: int) -> FinishReason | None:
+    def _append_one(self, req: Request, token: int) -> Ended | None:
+        """Append one token; what ends the run of tokens it is part of, or None to go on."""
         params = req.params
         req.output_ids.append(token)
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            return FinishReason.STOP  # the stop token's text is not part of the output
+            return Finish(FinishReason.STOP)  # the stop token's text is not part of the output
         detok = self.detokenizers.get(req.request_id)
         if detok is not None:  # none in the trace simulator, or when the consumer makes the text
             new_text = detok.add_token(token)
@@ -232,15 +236,15 @@ class TokenAppender:
                 if rejection is not None:
                     return self._reject(req, rejection)
             if detok.stopped:
-                return FinishReason.STOP
+                return Finish(FinishReason.STOP)
         if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.max_context_len:
-            return FinishReason.LENGTH
+            return Finish(FinishReason.LENGTH)
         return None
 
-    def _reject(self, req: Request, rejection: Rejection) -> FinishReason | None:
+    def _reject(self, req: Request, rejection: Rejection) -> Ended:
         if rejection.fatal:  # the caller's validator is broken: this request ends, nothing else
             req.error, req.user_error = rejection.reason, True
-            return FinishReason.CONSTRAINT_VIOLATION
+            return Finish(FinishReason.CONSTRAINT_VIOLATION)
         # back to the value's first token; ban the token that chose its content (for a string,
         # the one after the opening quote, which the automaton forces anyway)
         state = req.constraint
@@ -256,15 +260,14 @@ class TokenAppender:
             start = state.token_text_ends[keep - 1] if keep else 0
             ending = text[rejection.end] if 0 <= rejection.end < len(text) else ""
             replacement = text[start : rejection.start] + rejection.replacement + ending
-        state.request_rollback(Rollback(keep, self._token_at(state, ban_char), rejection.reason, replacement,
-                                        ends_output=not rejection.path))
-        return None
+        return RollBack(Rollback(keep, self._token_at(state, ban_char), rejection.reason, replacement,
+                                 ends_output=not rejection.path))
 
-    def complete_written(self, req: Request) -> FinishReason | None:
-        """End the output where it stands (a searched root value just written): STOP if the
-        automaton may end it here, else None. The value passed the same validators in the
-        search, so the final check accepts it."""
-        return self._complete(req) if self._stop_here(req) else None
+    def complete_written(self, req: Request) -> bool:
+        """End the output where it stands (a searched root value just written), if the automaton
+        may end it here. The value passed the same validators in the search, so the final check
+        accepts it."""
+        return self._stop_here(req) and self._complete(req) == Finish(FinishReason.STOP)
 
     def force_text(self, req: Request, text: str) -> bool:
         """Append the tokens of ``text`` as forced (probability 1) through the automaton, the
@@ -284,9 +287,8 @@ class TokenAppender:
             self.steering.follow_forced(req, ids)
         for t in ids:
             self._record_forced_logprobs(req, t)
-            if self._append_one(req, t) is not None or state.pending_rollback is not None:
+            if self._append_one(req, t) is not None:  # a rejection of it is dropped: the text is taken back whole
                 matcher.rollback(len(ids))
-                state.take_rollback()  # the written text is taken back whole instead
                 del req.output_ids[keep:], req.output_logprobs[keep:], req.output_top_logprobs[keep:]
                 self.rewind(req, keep)
                 return False

@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from radixgen.config import EngineConfig
-from radixgen.constraints.state import ConstraintState
+from radixgen.constraints.state import ForcedMismatch, Rollback
 from radixgen.engine.append import TokenAppender
 from radixgen.engine.kv_cache import KVCacheManager
 from radixgen.engine.output import Columns, FinishReason, RequestOutput, StepDeltas
 from radixgen.engine.plan import StepKind, StepPlan
 from radixgen.engine.planner import BatchPlanner
 from radixgen.engine.request import Request, RequestStatus
+from radixgen.engine.row_outcome import GO_ON, ExtendForced, Finish, RollBack, RowOutcome
 from radixgen.engine.row_params import RowParams
 from radixgen.engine.sampler import SampleResult
 from radixgen.engine.speculative import Verdict
@@ -222,20 +223,24 @@ class StepApplier:
 
     def _apply_result(self, req: Request, plan: StepPlan, i: int, token_ids: list[int], result: SampleResult,
                       num_prefill: int, allow_jump: bool) -> RequestOutput | None:
-        if i < num_prefill and not self._after_prefill(req, plan, i, token_ids):
-            return None  # a non-final chunk: nothing to sample yet
-        reason = self.appender.append_token(req, token_ids[i], result, i, allow_jump=allow_jump)
-        return self._after_append(req, reason)
+        token, sampled = token_ids[i], None
+        if i < num_prefill:
+            mismatch = self._take_forced_mismatch(req)
+            if mismatch is not None:  # the model's own token follows the forced tokens it kept
+                token, sampled = mismatch.token, (mismatch.logprob, mismatch.top_logprobs)
+            if not self._after_prefill(req, plan, i):
+                return None  # a non-final chunk: nothing to sample yet
+        outcome = self.appender.append_token(req, token, result, i, allow_jump=allow_jump, sampled=sampled)
+        return self._after_append(req, outcome)
 
-    def _after_append(self, req: Request, reason: FinishReason | None) -> RequestOutput | None:
+    def _after_append(self, req: Request, outcome: RowOutcome) -> RequestOutput | None:
         """What the step's new tokens lead to: a rollback, the end, a jump-forward extend, or a delta."""
-        state = req.constraint
-        if state is not None and state.pending_rollback is not None:
-            return self._rollback(req, state)
-        if reason is not None:
+        if isinstance(outcome, RollBack):
+            return self._rollback(req, outcome.rollback)
+        if isinstance(outcome, Finish):
             self.planner.remove_running(req)
-            return self.finish(req, reason)
-        if state is not None and state.take_extend():
+            return self.finish(req, outcome.reason)
+        if isinstance(outcome, ExtendForced):
             self._requeue_for_extend(req)
             return None
         return self.appender.emit(req, final=False)
@@ -251,13 +256,14 @@ class StepApplier:
         newest_position = int(plan.prefix_lens[i])  # where the request's newest token stood
         start = len(req.output_ids)
         tokens = [*verdict.accepted, verdict.next_token]
-        reason = None
+        outcome: RowOutcome = GO_ON
         for j, token in enumerate(tokens):
             last = j == len(tokens) - 1
-            if verdict.logprobs is not None:  # the batch's row holds only the last position's
-                req.sample_override = verdict.logprobs[j]
-            reason = self.appender.append_token(req, token, result, i, allow_jump=allow_jump and last)
-            if reason is not None or (req.constraint is not None and req.constraint.pending_rollback is not None):
+            # the batch's row holds only the last position's log-probabilities
+            sampled = verdict.logprobs[j] if verdict.logprobs is not None else None
+            outcome = self.appender.append_token(req, token, result, i, allow_jump=allow_jump and last,
+                                                 sampled=sampled)
+            if isinstance(outcome, (Finish, RollBack)):
                 break
             if not last and (len(req.output_ids) != start + j + 1 or req.output_ids[-1] != token):
                 break  # steering put other tokens in its place: the rest of the draft no longer follows
@@ -270,7 +276,7 @@ class StepApplier:
             valid += 1
         self.kv.truncate(req, min(newest_position + 1 + valid, req.seq_len - 1))
         self.stats.generated_tokens += len(appended)  # sample_mask counts none of a drafting row's tokens
-        return self._after_append(req, reason)
+        return self._after_append(req, outcome)
 
     def _fail_request(self, req: Request, error: str) -> RequestOutput | None:
         if req.is_finished or req.request_id not in self.requests:
@@ -278,17 +284,19 @@ class StepApplier:
         self.planner.discard(req)
         return self.finish(req, FinishReason.ERROR, error=error)
 
-    def _after_prefill(self, req: Request, plan: StepPlan, i: int, token_ids: list[int]) -> bool:
-        """Prefill-only bookkeeping: jump-forward verification outcome, prefix caching, joining the
-        decode group. False for a non-final chunk (nothing is sampled for it)."""
-        state = req.constraint
-        mismatch = None
-        if state is not None:
-            mismatch = state.take_mismatch()
-        if mismatch is not None:  # the model would not have produced the forced tokens from here
-            token_ids[i], req.sample_override = mismatch.token, (mismatch.logprob, mismatch.top_logprobs)
+    def _take_forced_mismatch(self, req: Request) -> ForcedMismatch | None:
+        """The verification of a prefill's forced tokens (jump-forward): where the model would not
+        have written them from some token on, they are dropped from there, and the mismatch
+        (the model's own token there) is returned."""
+        mismatch = req.constraint.take_mismatch() if req.constraint is not None else None
+        if mismatch is not None:
             self.appender.replaced_samples.append(req)  # the sampler counted the discarded sample
             self._drop_forced_tail(req, mismatch.keep)
+        return mismatch
+
+    def _after_prefill(self, req: Request, plan: StepPlan, i: int) -> bool:
+        """Prefill-only bookkeeping: prefix caching, joining the decode group. False for a
+        non-final chunk (nothing is sampled for it)."""
         if self.kv.use_cache:
             self.kv.cache_computed_prefix(req)
         if plan.sample_mask is not None and not plan.sample_mask[i]:
@@ -324,12 +332,12 @@ class StepApplier:
         self.planner.requeue(req)
         self.log.current.jump_forwards += 1
 
-    def _rollback(self, req: Request, state: ConstraintState) -> RequestOutput | None:
+    def _rollback(self, req: Request, rollback: Rollback) -> RequestOutput | None:
         """A validator rejected a value: take the output back to the value's first token, ban that
         token there, and requeue the request (its kept prefix is served from the cache). Past
         the retry bound the request ends with ``constraint_violation``."""
-        rollback = state.take_rollback()
-        assert rollback is not None
+        state = req.constraint
+        assert state is not None
         keep, ban_at, why = rollback.keep, rollback.ban_at, rollback.reason
         state.num_rollbacks += 1
         self.planner.remove_running(req)
@@ -354,7 +362,7 @@ class StepApplier:
             logger.info("%s: wrote %r in place of a value its validators rejected %s", req.request_id, replacement, why)
             self.stats.num_searched_values += 1
             state.searched_values += 1
-            if rollback.ends_output and self.appender.complete_written(req) is FinishReason.STOP:
+            if rollback.ends_output and self.appender.complete_written(req):
                 return self.finish(req, FinishReason.STOP)  # its row and slots were given back above
         # the requeued prefill computes the written tokens' KV and samples what follows
         self.planner.requeue(req)

@@ -69,9 +69,6 @@ class Request:
     """Output tokens already handed to ``on_output`` (a step may append several)."""
     speculation: DraftState | None = None
     """N-gram drafting state when the engine speculates for this request (engine/speculative.py)."""
-    sample_override: tuple[float, list[tuple[int, float]]] | None = None
-    """Log-probability and top log-probabilities of a token that replaced this step's sample (the
-    model's own choice found by jump-forward verification), recorded instead of the sample's."""
 
     @property
     def prompt_len(self) -> int:
