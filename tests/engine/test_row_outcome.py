@@ -9,11 +9,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from radixgen import Engine, FinishReason, SamplingParams
+from radixgen import Engine, FinishReason
 from radixgen.engine.row_outcome import ExtendForced, Finish, GoOn, RollBack
-
-SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "eel", "fox"]}, "legs": {"enum": [0, 2, 4]}},
-          "required": ["kind", "legs"], "additionalProperties": False}
+from tests.engine.test_validators import generate_rejecting_the_first_kind
 
 
 def test_each_appended_token_says_what_follows_for_its_request(make_engine: Callable[..., Engine]) -> None:
@@ -28,14 +26,7 @@ def test_each_appended_token_says_what_follows_for_its_request(make_engine: Call
         return outcome
 
     appender.append_token = recorded  # type: ignore[method-assign]
-    kinds: list[str] = []
-
-    def not_the_first_choice(kind: str) -> bool:
-        kinds.append(kind)
-        return kind != kinds[0]
-
-    out = engine.generate("Animal:", SamplingParams(max_new_tokens=60, temperature=0, json_schema=SCHEMA,
-                                                    validators={"$.kind": not_the_first_choice}))
+    out, kinds = generate_rejecting_the_first_kind(engine)
     assert out.finish_reason is FinishReason.STOP and json.loads(out.text)["kind"] != kinds[0]
     rollbacks = [(o, n) for o, n in seen if isinstance(o, RollBack)]
     assert len(rollbacks) == 1, "one rejected value, one rollback"

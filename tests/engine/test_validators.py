@@ -9,14 +9,14 @@ import jsonschema
 import pytest
 
 from radixgen import Engine, FinishReason, SamplingParams
+from radixgen.engine.output import RequestOutput
 
 SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "eel", "fox"]}, "legs": {"enum": [0, 2, 4]}},
           "required": ["kind", "legs"], "additionalProperties": False}
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "llguidance", "outlines"])
-def test_user_validator_rejection_resamples_a_valid_value(make_engine: Callable[..., Engine], backend: str) -> None:
-    engine = make_engine(grammar_backend=backend)
+def generate_rejecting_the_first_kind(engine: Engine) -> tuple[RequestOutput, list[str]]:
+    """An answer to SCHEMA whose validator rejects the first kind the model writes; the kinds seen."""
     seen: list[str] = []
 
     def not_the_first_choice(kind: str) -> bool:
@@ -25,6 +25,13 @@ def test_user_validator_rejection_resamples_a_valid_value(make_engine: Callable[
 
     out = engine.generate("Animal:", SamplingParams(max_new_tokens=60, temperature=0, json_schema=SCHEMA,
                                                     validators={"$.kind": not_the_first_choice}))
+    return out, seen
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance", "outlines"])
+def test_user_validator_rejection_resamples_a_valid_value(make_engine: Callable[..., Engine], backend: str) -> None:
+    engine = make_engine(grammar_backend=backend)
+    out, seen = generate_rejecting_the_first_kind(engine)
     assert out.finish_reason is FinishReason.STOP, out
     value = json.loads(out.text)
     jsonschema.validate(value, SCHEMA)
