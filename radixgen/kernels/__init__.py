@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name) for name in (
     "kernels.cpp", "decode_attention.cpp", "prefill_attention.cpp", "prefill_attention_float.cpp", "small_linear.cpp", "fused_ops.cpp", "quant_linear.cpp", "quant_tiles.cpp", "gguf_repack.cpp", "common.h", "quant_records.h")]
 _UNIT = "kernels.cpp"  # includes the other sources
+_LIBRARY = "radixgen_kernels.so"  # what torch's builder links in the build folder
 # the ops only the extension defines (the attention kernels); the fused layer ops' schemas are
 # defined in ops.py, and the extension adds their CPU kernels
 _OPS = ("decode_attention", "prefill_attention", "prefill_attention_native", "shared_prefix_attention", "gguf_repack",
@@ -62,11 +63,15 @@ def source_digest() -> str:
 
 
 def _build_dir() -> Path:
-    """One folder per torch version, machine and kernel sources: torch's builder hashes the
-    .cpp files it is given but not the header they share."""
+    """One folder per torch version, machine, kernel sources and compiler flags: torch's builder
+    hashes the .cpp files it is given but not the header they share, and a start that finds the
+    library in its folder loads it without asking the builder (``_load``)."""
+    import hashlib
+
     from radixgen.paths import cache_dir
 
-    tag = f"torch{torch.__version__.replace('+', '_')}-{platform.machine()}-{source_digest()}"
+    flags = hashlib.sha256(" ".join(_CFLAGS + ["|"] + _LDFLAGS).encode()).hexdigest()[:6]
+    tag = f"torch{torch.__version__.replace('+', '_')}-{platform.machine()}-{source_digest()}-{flags}"
     path = cache_dir() / "kernels" / tag
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -132,12 +137,20 @@ def _load() -> Any:
         return None
     if (namespace := _registered()) is not None:
         return namespace  # loaded earlier in this process
+    build_dir = _build_dir()
+    built = build_dir / _LIBRARY
+    if built.exists():  # the folder names these sources and flags: the library is theirs
+        try:
+            torch.ops.load_library(str(built))
+            if (namespace := _registered()) is not None:
+                return namespace
+        except OSError as exc:  # a library cut short by an interrupted build: built again below
+            logger.info("rebuilding the CPU kernels: %s", exc)
     try:
         from torch.utils.cpp_extension import load
 
         _put_ninja_on_path()
 
-        build_dir = _build_dir()
         logger.info("loading the CPU kernels (built on the first start on this machine only)")
         load(
             name="radixgen_kernels", sources=[str(p) for p in _sources_in(build_dir)], extra_cflags=_CFLAGS,

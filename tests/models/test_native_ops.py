@@ -294,3 +294,15 @@ def test_argmax_rows_takes_the_first_largest_and_a_nan_as_largest_like_torch(ker
     assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))
     strided = torch.randn(4, 2 * vocab)[:, ::2]
     assert torch.equal(torch.ops.radixgen.argmax_rows(strided), strided.argmax(dim=-1))
+
+
+def test_a_built_library_is_loaded_without_the_builder(kernels: object) -> None:
+    """A start that finds the library built for these sources and flags loads it as it is: the
+    builder (torch's cpp_extension and ninja, about a fifth of a second) is not imported."""
+    code = ("import sys, torch; from radixgen.kernels import cpu_kernels; ops = cpu_kernels(); "
+            "x = torch.randn(3, 64); w = torch.ones(64); "
+            "assert torch.allclose(torch.ops.radixgen.rms_norm(x, w, 1e-6), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), atol=1e-5); "
+            "print(ops is not None, 'torch.utils.cpp_extension' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.stdout.split() == ["True", "False"], result.stderr
