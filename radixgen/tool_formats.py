@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from radixgen.json_lexer import OUTSIDE, JsonStrings
+
 _PROBE_NAME = "radixgen_probe_tool"
 _PROBE_DESCRIPTION = "radixgen probe description"
 _PROBE_ARGUMENT = "radixgen_probe_argument"
@@ -190,8 +192,7 @@ class CallParser:
         self._buf = ""
         self._state = self._TEXT
         self._depth = 0
-        self._in_string = False
-        self._escape = False
+        self._strings = JsonStrings()
 
     def feed(self, text: str) -> CallEvents:
         events = CallEvents()
@@ -238,7 +239,7 @@ class CallParser:
             self.calls.append(ParsedCall(json.loads(head.group(1))))
             events.started.append((len(self.calls) - 1, self.calls[-1].name))
             self._buf, self._state = buf[head.end():], self._ARGS
-            self._depth, self._in_string, self._escape = 0, False, False
+            self._depth, self._strings = 0, JsonStrings()
             return True
         if self._state == self._ARGS:
             end = self._scan_value(buf)
@@ -268,17 +269,11 @@ class CallParser:
 
     def _scan_value(self, text: str) -> int | None:
         """Where the arguments value ends in ``text`` (None: not yet)."""
+        strings = self._strings
         for i, ch in enumerate(text):
-            if self._in_string:
-                if self._escape:
-                    self._escape = False
-                elif ch == "\\":
-                    self._escape = True
-                elif ch == '"':
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch in "{[":
+            if strings.step(ch) != OUTSIDE:
+                continue
+            if ch in "{[":
                 self._depth += 1
             elif ch in "}]":
                 self._depth -= 1

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1] / "radixgen"
 
 # a package may import its own modules and those of lower layers only
 LAYERS = [
+    {"json_lexer"},
     {"errors", "paths", "tool_formats", "templates", "reasoning", "staging", "host_memory"},
     {"config", "radix", "constraints", "kernels"},
     {"models"},

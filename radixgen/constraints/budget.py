@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 from radixgen.constraints.backend import Matcher
 from radixgen.constraints.spec import MAX_REGEX_STATES, pattern_branches, state_budget
+from radixgen.json_lexer import CLOSE, CONTENT, OPEN, OUTSIDE, JsonStrings
 
 # Which character the walk tries first where several are allowed: closers (end a string, an
 # object, an array), then the shortest values (digits), then letters and punctuation.
@@ -336,8 +337,8 @@ class BudgetState:
     """Cheapest completion from the current state (possibly from a few tokens back: see _FAR_TOKENS)."""
     stale: bool = False
     """Structure changed since ``completion`` was found (while far from the end)."""
-    in_string: bool = False
-    escape: bool = False
+    lexer: JsonStrings = field(default_factory=JsonStrings)
+    """Where the text stands with respect to JSON strings (``radixgen/json_lexer.py``)."""
     string_chars: int = 0
     in_key: bool = False
     """The open string is an object key: its text picks the property, so it changes the completion."""
@@ -360,21 +361,25 @@ class BudgetState:
     shortened: bool = False
     """Steering changed the output (appended tokens, or ended it where the model went on)."""
 
+    @property
+    def in_string(self) -> bool:
+        return self.lexer.in_string
+
     def reset(self, text: str) -> None:
         """Follow ``text`` from the start (after a rollback took the output back to it)."""
-        self.in_string, self.escape, self.string_chars, self.in_key = False, False, 0, False
+        self.lexer, self.string_chars, self.in_key = JsonStrings(), 0, False
         self.containers, self.key_expected = "", False
         self.dfa_state = self.dfa.initial if self.dfa is not None else None
         self.completion = None
         self.scan(text)
 
     def snapshot(self) -> BudgetSnapshot:
-        return BudgetSnapshot(self.in_string, self.escape, self.string_chars, self.in_key, self.containers,
-                              self.key_expected, self.dfa_state)
+        return BudgetSnapshot(self.lexer.in_string, self.lexer.escape, self.string_chars, self.in_key,
+                              self.containers, self.key_expected, self.dfa_state)
 
     def restore(self, saved: BudgetSnapshot) -> None:
-        (self.in_string, self.escape, self.string_chars, self.in_key, self.containers, self.key_expected,
-         self.dfa_state) = saved
+        self.lexer = JsonStrings(saved.in_string, saved.escape)
+        self.string_chars, self.in_key, self.containers, self.key_expected, self.dfa_state = saved[2:]
 
     def scan(self, text: str) -> bool:
         """Follow the text of one token; True when the completion may have changed (for JSON,
@@ -386,14 +391,16 @@ class BudgetState:
             return True
         touched = False
         self.opened = False
+        lexer = self.lexer
         for ch in text:
-            if not self.in_string:
+            kind = lexer.step(ch)
+            if kind in (OUTSIDE, OPEN):
                 touched = True
                 self.opened = self.opened or ch in "{[,"
-                if ch == '"':
+                if kind == OPEN:
                     # a key opens right after "{" or after a comma inside an object
                     self.in_key = self.containers.endswith("{") and self.key_expected
-                    self.in_string, self.string_chars = True, 0
+                    self.string_chars = 0
                 elif ch in "{[":
                     self.containers += ch
                     self.key_expected = ch == "{"
@@ -405,16 +412,10 @@ class BudgetState:
                     self.key_expected = False
                 continue
             touched = touched or self.in_key
-            if self.escape:
-                self.escape = False
+            if kind == CONTENT:
                 self.string_chars += 1
-            elif ch == "\\":
-                self.escape = True
-            elif ch == '"':
-                self.in_string, touched = False, True
-                self.key_expected = False
-            else:
-                self.string_chars += 1
+            elif kind == CLOSE:
+                touched, self.key_expected = True, False
         return touched
 
 

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from radixgen.constraints.drafts import as_2020_12, validator_class
 from radixgen.constraints.refs import deref
 from radixgen.constraints.value_search import anchored_numbers, listed_literals, small_numbers
+from radixgen.json_lexer import CLOSE, OPEN, OUTSIDE, JsonStrings
 
 Path = tuple[str | int, ...]
 RepeatedItems = Literal["unique", "all", "off"]
@@ -65,8 +66,7 @@ class JsonScanner:
         # container frames: [kind ("{" or "["), start offset, key or index, expecting ("key"|"value"|"sep")]
         self._stack: list[list[Any]] = []
         self._scalar_start: int | None = None
-        self._in_string = False
-        self._escape = False
+        self._strings = JsonStrings()
         self._string_is_key = False
         self._key_start = 0
         self._done = False
@@ -87,7 +87,7 @@ class JsonScanner:
     def finish(self) -> list[CompletedValue]:
         """End of output: a bare root number/literal completes here."""
         out: list[CompletedValue] = []
-        if self._scalar_start is not None and not self._in_string:
+        if self._scalar_start is not None and not self._strings.in_string:
             self._complete_scalar(len(self.text), out)
         return out
 
@@ -95,20 +95,17 @@ class JsonScanner:
         return tuple(frame[2] for frame in self._stack)
 
     def _step(self, ch: str, pos: int, out: list[CompletedValue]) -> None:
-        if self._in_string:
-            if self._escape:
-                self._escape = False
-            elif ch == "\\":
-                self._escape = True
-            elif ch == '"':
-                self._in_string = False
-                if self._string_is_key:
-                    owner = self._stack[-1]
-                    owner[2] = json.loads(self.text[self._key_start : pos + 1])
-                    owner[3] = "colon"
-                else:
-                    self._complete_scalar(pos + 1, out)
+        kind = self._strings.step(ch)
+        if kind == CLOSE:
+            if self._string_is_key:
+                owner = self._stack[-1]
+                owner[2] = json.loads(self.text[self._key_start : pos + 1])
+                owner[3] = "colon"
+            else:
+                self._complete_scalar(pos + 1, out)
             return
+        if kind not in (OUTSIDE, OPEN):
+            return  # string content
         if self._scalar_start is not None:
             if ch in ",}] \t\r\n":
                 self._complete_scalar(pos, out)
@@ -118,8 +115,8 @@ class JsonScanner:
             return
         frame: list[Any] | None = self._stack[-1] if self._stack else None
         if frame is not None and frame[0] == "{" and frame[3] == "key":
-            if ch == '"':
-                self._in_string, self._string_is_key, self._key_start = True, True, pos
+            if kind == OPEN:
+                self._string_is_key, self._key_start = True, pos
             elif ch == "}":
                 self._close(pos, out)
             return
@@ -145,8 +142,8 @@ class JsonScanner:
             self._stack.append(["{", pos, None, "key"])
         elif ch == "[":
             self._stack.append(["[", pos, 0, "value"])
-        elif ch == '"':
-            self._in_string, self._string_is_key, self._scalar_start = True, False, pos
+        elif kind == OPEN:
+            self._string_is_key, self._scalar_start = False, pos
         else:
             self._scalar_start = pos
 
