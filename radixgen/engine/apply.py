@@ -16,6 +16,7 @@ import numpy as np
 from radixgen.config import EngineConfig
 from radixgen.constraints.state import ForcedMismatch, Rollback
 from radixgen.engine.append import TokenAppender
+from radixgen.engine.decode_batch import Keyed, current
 from radixgen.engine.kv_cache import KVCacheManager
 from radixgen.engine.output import Columns, FinishReason, RequestOutput, StepDeltas
 from radixgen.engine.plan import StepKind, StepPlan
@@ -82,7 +83,6 @@ class StepApplier:
         self.log = log
         self.requests = requests
         """Every request the scheduler holds (shared with it); a finished one leaves it here."""
-        self._steady: _SteadyBatch | None = None
 
     def process_results(self, plan: StepPlan, result: SampleResult, forward_s: float = 0.0,
                         verdicts: dict[int, Verdict] | None = None) -> list[RequestOutput]:
@@ -102,7 +102,7 @@ class StepApplier:
             if plain is not None:
                 self._apply_plain(plan, plain, result, token_ids, outputs)
                 if plan.batch_version is not None and plain.all():  # each row appended exactly its sample
-                    self.planner.next_decode_inputs = (plan.batch_version, result.token_ids.copy())
+                    self.planner.decode_batch.next_inputs = Keyed(plan.batch_version, result.token_ids.copy())
             rest = list(range(len(plan.requests))) if plain is None else np.flatnonzero(~plain).tolist()
         running = len(self.planner.running)
         allow_jump = running <= self.config.jump_forward_max_batch
@@ -152,9 +152,11 @@ class StepApplier:
         version = plan.batch_version
         if version is None:
             return False
-        steady = self._steady
-        if steady is None or steady.version != version:
-            steady = self._steady = _SteadyBatch.of(plan, self.kv.row_params, self.appender.max_context_len)
+        cache = self.planner.decode_batch
+        steady = current(cache.steady, version)
+        if steady is None:
+            steady = _SteadyBatch.of(plan, self.kv.row_params, self.appender.max_context_len)
+            cache.steady = Keyed(version, steady)
         if steady.sink is None:
             return False
         tokens = result.token_ids
@@ -168,7 +170,7 @@ class StepApplier:
             output_ids.append(token)
             req.num_emitted = len(output_ids)  # the block below streams it
         steady.sink.blocks.append((steady.columns, token_list, None, (seq_len - steady.prompt_len).tolist()))
-        self.planner.next_decode_inputs = (version, tokens.copy())
+        cache.next_inputs = Keyed(version, tokens.copy())
         return True
 
     def _plain_decode_rows(self, plan: StepPlan, result: SampleResult,

@@ -145,7 +145,8 @@ class Engine:
         self.pipeline = (OverlapPipeline if self.config.use_overlap else StepPipeline)(self.scheduler, self.runner, self.sampler, self.constraints,
                                      SamplingBatchCache(self.model_config.vocab_size, self.runner.device,
                                                         self.scheduler.kv.row_params,
-                                                        tuple(self.model_config.eos_token_ids)))
+                                                        tuple(self.model_config.eos_token_ids),
+                                                        self.scheduler.planner.decode_batch))
         self._aborted_while_compiling: set[str] = set()
         self._lock = threading.Lock()
         self._started.set()  # the loop may begin serving

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from radixgen.config import EngineConfig
+from radixgen.engine.decode_batch import DecodeArrays, DecodeBatchCache, Keyed, current
 from radixgen.engine.kv_cache import KVCacheManager
 from radixgen.engine.plan import PromptScoring, StepKind, StepPlan
 from radixgen.engine.request import Request, RequestStatus
@@ -152,11 +153,8 @@ class BatchPlanner:
         """Running requests in admission order (a dict: O(1) removal, the newest last)."""
         self.running_version = 0
         """Bumped whenever ``running`` changes; per-batch arrays are reused while it stands."""
-        self._decode_arrays: tuple[int, list[Request], np.ndarray, np.ndarray] | None = None
-        self.next_decode_inputs: tuple[int, np.ndarray] | None = None
-        """(running_version, tokens): the last decode step's tokens, each what its request
-        appended (the step applier's batched lane took every row): the next plan's inputs if it is a
-        decode step of the same batch (read, and dropped, by the next ``schedule``)."""
+        self.decode_batch = DecodeBatchCache()
+        """What the running batch's decode steps reuse while it stands (engine/decode_batch.py)."""
         self.chunked: Request | None = None
         """The request whose prompt is part-way through chunked prefill (holds KV, not running)."""
         self.reserve = DecodeReserve(kv.pool.max_context_len)
@@ -182,9 +180,8 @@ class BatchPlanner:
         self.waiting.appendleft(req)
 
     def forget_decode_batch(self) -> None:
-        """The next decode step gathers its rows and inputs from the requests afresh."""
-        self._decode_arrays = None
-        self.next_decode_inputs = None
+        """The next decode step gathers its rows, inputs and sampling parameters afresh."""
+        self.decode_batch.forget()
 
     def discard(self, req: Request) -> None:
         """Take ``req`` out of whichever set holds it (it is ending)."""
@@ -199,7 +196,8 @@ class BatchPlanner:
 
     def schedule(self) -> StepPlan | None:
         plan = None
-        known_inputs, self.next_decode_inputs = self.next_decode_inputs, None  # good for this plan only
+        batch = self.decode_batch
+        known_inputs, batch.next_inputs = batch.next_inputs, None  # good for this plan only
         decode_first = self._decode_turn and self.running
         self._decode_turn = False
         if not decode_first and (self.chunked or self.waiting):
@@ -341,7 +339,7 @@ class BatchPlanner:
             return plan
         rows, positions = _rows_and_positions(reqs)
         self.kv.write(rows, positions, slots)
-        self._decode_arrays = None  # the next decode step's positions are not the last ones + 1
+        self.decode_batch.arrays = None  # the next decode step's positions are not the last ones + 1
         self._decode_turn = False  # the running requests decode in this step
         ones = np.ones(len(reqs), dtype=np.int64)
         self.log.current.new_tokens += len(reqs)
@@ -358,7 +356,7 @@ class BatchPlanner:
             num_decode=len(reqs),
         )
 
-    def _schedule_decode(self, known_inputs: tuple[int, np.ndarray] | None = None) -> StepPlan | None:
+    def _schedule_decode(self, known_inputs: Keyed[np.ndarray] | None = None) -> StepPlan | None:
         if self.chunked is not None and self.kv.short_of(len(self.running)):
             # a half-prefilled prompt holds KV that no running request can use: it goes first
             self._retract_chunked()
@@ -374,20 +372,18 @@ class BatchPlanner:
             # One request alone has filled the whole pool: it cannot grow any further.
             self.finish_too_long(next(iter(self.running)))
             return None
-        cached = self._decode_arrays
-        if cached is not None and cached[0] == self.running_version:
-            # same batch as the last decode step: every sequence grew by exactly one token
-            reqs, rows, positions = cached[1], cached[2], cached[3] + 1
+        version = self.running_version
+        cached = current(self.decode_batch.arrays, version)
+        if cached is not None:  # same batch as the last decode step: every sequence grew by exactly one token
+            reqs, rows, positions = cached.requests, cached.rows, cached.positions + 1
         else:
             reqs = list(self.running)
             rows, positions = _rows_and_positions(reqs)
         batch = len(reqs)
-        self._decode_arrays = (self.running_version, reqs, rows, positions)
+        self.decode_batch.arrays = Keyed(version, DecodeArrays(reqs, rows, positions))
         self.kv.write(rows, positions, slots)
-        if known_inputs is not None and known_inputs[0] == self.running_version:
-            input_ids = known_inputs[1]
-        else:
-            input_ids = _last_tokens(reqs)
+        known = current(known_inputs, version)
+        input_ids = known if known is not None else _last_tokens(reqs)
         self.log.current.new_tokens = batch
         return StepPlan(
             kind=StepKind.DECODE, requests=reqs, rows=rows, prefix_lens=positions,
@@ -414,9 +410,9 @@ class BatchPlanner:
             return None
         self._decode_turn = False  # what schedule() does on its way to a decode step
         self.kv.write(plan.rows, positions, slots)
-        cached = self._decode_arrays
-        if cached is not None and cached[0] == plan.batch_version:
-            self._decode_arrays = (cached[0], cached[1], cached[2], positions)
+        cached = current(self.decode_batch.arrays, plan.batch_version)
+        if cached is not None:
+            self.decode_batch.arrays = Keyed(plan.batch_version, cached._replace(positions=positions))
         self.reserve.decode_step()
         self.log.current.new_tokens = len(positions)
         return StepPlan(
@@ -451,7 +447,7 @@ class BatchPlanner:
         slots = self._alloc_slots(len(input_ids))
         assert slots is not None, "room was checked"
         self.kv.write(np.repeat(rows, extend_lens), positions, slots)
-        self._decode_arrays = None  # positions moved by more than one
+        self.decode_batch.arrays = None  # positions moved by more than one
         self.log.current.new_tokens = len(input_ids)
         return StepPlan(
             kind=StepKind.SPECULATIVE, requests=ordered, rows=rows, prefix_lens=prefix_lens, extend_lens=extend_lens,

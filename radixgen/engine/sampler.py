@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from radixgen.constraints.mask import apply_bitmask
+from radixgen.engine.decode_batch import DecodeBatchCache, Keyed, current
 from radixgen.engine.plan import StepPlan
 from radixgen.engine.request import Request
 from radixgen.engine.row_params import RowParams
@@ -210,10 +211,11 @@ class SamplingBatchCache:
     unchanged."""
 
     def __init__(self, vocab_size: int, device: torch.device, row_params: RowParams,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), decode_batch: DecodeBatchCache | None = None) -> None:
         self.vocab_size, self.device, self.eos_token_ids = vocab_size, device, tuple(eos_token_ids)
         self.row_params = row_params
-        self._cached: tuple[int, SamplingBatch] | None = None
+        self.decode_batch = decode_batch if decode_batch is not None else DecodeBatchCache()
+        """Where the batch's tensors are kept (the planner's, which drops them with its batch)."""
 
     def get(self, plan: StepPlan) -> SamplingBatch:
         host, build = self.stage(plan)
@@ -222,25 +224,20 @@ class SamplingBatchCache:
     def stage(self, plan: StepPlan) -> tuple[list[np.ndarray], StagedBuild]:
         """The step's sampling batch in two halves (``SamplingBatch.staged_rows``): nothing to
         upload while the decode batch is unchanged."""
-        cached = self._cached
-        if plan.batch_version is not None and cached is not None and cached[0] == plan.batch_version:
-            cached[1].advance()  # every request produced exactly one token since
-            batch = cached[1]
-            return [], lambda _uploaded: batch
+        cached: SamplingBatch | None = current(self.decode_batch.sampling, plan.batch_version)
+        if cached is not None:
+            cached.advance()  # every request produced exactly one token since
+            return [], lambda _uploaded: cached
         host, build = SamplingBatch.staged_rows(self.row_params, plan.rows, self._counters(plan), self.vocab_size,
                                                 self.eos_token_ids)
         version = plan.batch_version
 
         def build_and_keep(uploaded: list[torch.Tensor]) -> SamplingBatch:
             made = build(uploaded)
-            self._cached = (version, made) if version is not None else None
+            self.decode_batch.sampling = Keyed(version, made) if version is not None else None
             return made
 
         return host, build_and_keep
-
-    def forget(self) -> None:
-        """Build the next step's batch from the row table, whatever its version."""
-        self._cached = None
 
     def _counters(self, plan: StepPlan) -> np.ndarray:
         """Tokens each request has generated: a row whose newest token is this step's first

@@ -228,7 +228,7 @@ class OverlapPipeline(StepPipeline):
         finally:
             if nxt is not None:
                 # the inputs of the step after this one were fixed when it was planned, above
-                self.scheduler.planner.next_decode_inputs = None
+                self.scheduler.planner.decode_batch.next_inputs = None
                 self._fill_late_mask(nxt)
 
     def _landed(self, plan: StepPlan) -> np.ndarray | None:
@@ -244,8 +244,7 @@ class OverlapPipeline(StepPipeline):
             for req, kept in zip(plan.requests, keep.tolist(), strict=True):
                 if not kept:  # the dropped step counted its sample into the row
                     self._queue_penalty_reset(req)
-            self.sampling_batches.forget()
-        self.scheduler.drop_rows(plan, keep)
+        self.scheduler.drop_rows(plan, keep)  # with rows dropped, the batch's cached parts go too
         return keep
 
     def _fill_late_mask(self, plan: StepPlan) -> None:
