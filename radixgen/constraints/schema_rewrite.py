@@ -36,7 +36,7 @@ def grammar_schema(schema: Any, options: GrammarOptions = DEFAULT_OPTIONS) -> An
     """What the backends compile for ``schema`` (read by its draft: ``drafts.as_2020_12``)."""
     schema = as_2020_12(schema)
     schema = limit_recursion(integral_counts(bound_numbers(declare_required(require_dependents(
-        discriminated_conditions(type_object_branches(schema)))))), options.max_recursion_depth)
+        discriminated_conditions(type_by_conditions(type_object_branches(schema))))))), options.max_recursion_depth)
     return schema if options.open_objects else close_objects(schema)
 
 
@@ -121,6 +121,24 @@ def _type_branches_here(root: dict[str, Any], out: dict[str, Any]) -> dict[str, 
     return out
 
 
+def type_by_conditions(schema: Any) -> Any:
+    """A copy of ``schema`` where an untyped schema whose ``if`` says nothing but object keywords
+    and whose ``then`` is an object is typed ``object``. Every other instance passes such an
+    ``if`` and must then pass ``then``, which it cannot: no valid answer is lost, but a grammar
+    (which leaves ``if`` / ``then`` out) no longer offers a string for a config file's root."""
+    if not isinstance(schema, dict):
+        return schema
+    return _bottom_up(schema, lambda node: _type_by_condition_here(schema, node))
+
+
+def _type_by_condition_here(root: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    condition, then = out.get("if"), _local_target(root, out.get("then"))
+    if ("type" in out or not isinstance(condition, dict) or set(condition) - ANNOTATIONS - _OBJECT_ONLY
+            or not isinstance(then, dict) or then.get("type") not in ("object", ["object"])):
+        return out
+    return {**out, "type": "object"}
+
+
 def discriminated_conditions(schema: Any) -> Any:
     """A copy of ``schema`` where an object's ``allOf`` of ``if: {properties: {P: {const: X}}}`` /
     ``then: S_X`` pairs, one per value of a required property P whose ``enum`` lists exactly those
@@ -133,11 +151,17 @@ def discriminated_conditions(schema: Any) -> Any:
 def _discriminate_here(out: dict[str, Any]) -> dict[str, Any]:
     conditions = out.get("allOf")
     properties = out.get("properties")
-    if "anyOf" in out or not isinstance(conditions, list) or not conditions or not isinstance(properties, dict):
+    if "anyOf" in out or not isinstance(properties, dict):
+        return out
+    if isinstance(conditions, list) and conditions:
+        pairs_of = [_condition_pair(member) for member in conditions]
+        consumed = "allOf"
+    else:  # if P = X1 then S1 else if P = X2 then S2 ... else {}
+        pairs_of, consumed = _condition_chain(out), "if"
+    if not pairs_of:
         return out
     branches: dict[str, list[Any]] = {}  # property -> [(value, then)]
-    for member in conditions:
-        pair = _condition_pair(member)
+    for pair in pairs_of:
         if pair is None:
             return out
         name, value, then = pair
@@ -150,15 +174,34 @@ def _discriminate_here(out: dict[str, Any]) -> dict[str, Any]:
     if (name not in (out.get("required") or []) or not isinstance(listed, list) or len(set(values)) != len(values)
             or sorted(values) != sorted(json.dumps(v, sort_keys=True) for v in listed)):
         return out
-    rest = {k: v for k, v in out.items() if k != "allOf"}
+    rest = {k: v for k, v in out.items() if k not in (("if", "then", "else") if consumed == "if" else ("allOf",))}
     rest["anyOf"] = [{"allOf": [{"properties": {name: {"const": value}}, "required": [name]}, then]}
                      for value, then in pairs]
     return rest
 
 
+def _condition_chain(node: dict[str, Any]) -> list[tuple[str, Any, Any] | None]:
+    """The (P, X, S) of each ``if`` / ``then`` down an ``else`` chain that ends empty ([] when
+    ``node`` has no ``if``; a None in the list where a link is not such a test)."""
+    if "if" not in node:
+        return []
+    pairs: list[tuple[str, Any, Any] | None] = []
+    link = node
+    while True:
+        pairs.append(_condition_pair({"if": link["if"], "then": link.get("then", True)}))
+        rest = link.get("else", {})
+        if not (isinstance(rest, dict) and "if" in rest):
+            return pairs if rest in ({}, True) else [None]
+        if set(rest) - ANNOTATIONS - {"if", "then", "else", "type"} or rest.get("type", "object") != "object":
+            return [None]  # a link that says more than its condition (a type: type_by_conditions's)
+        link = rest
+
+
 def _condition_pair(member: Any) -> tuple[str, Any, Any] | None:
-    """(P, X, S) for an ``{"if": {"properties": {P: {"const": X}}}, "then": S}`` member, else None."""
-    if not isinstance(member, dict) or set(member) - ANNOTATIONS != {"if", "then"}:
+    """(P, X, S) for an ``{"if": {"properties": {P: {"const": X}}}, "then": S}`` member (or
+    ``enum: [X]``), else None."""
+    if not isinstance(member, dict) or set(member) - ANNOTATIONS - {"type"} != {"if", "then"} or member.get(
+            "type", "object") != "object":  # a type: type_by_conditions's, for what its parent is already
         return None
     condition = member["if"]
     if not isinstance(condition, dict) or set(condition) - ANNOTATIONS - {"required"} != {"properties"}:
@@ -167,7 +210,11 @@ def _condition_pair(member: Any) -> tuple[str, Any, Any] | None:
     if not isinstance(tested, dict) or len(tested) != 1:
         return None
     (name, test), = tested.items()
-    if not isinstance(test, dict) or set(test) - ANNOTATIONS != {"const"}:
+    if not isinstance(test, dict):
+        return None
+    if set(test) - ANNOTATIONS == {"enum"} and isinstance(test["enum"], list) and len(test["enum"]) == 1:
+        return name, test["enum"][0], member["then"]
+    if set(test) - ANNOTATIONS != {"const"}:
         return None
     return name, test["const"], member["then"]
 

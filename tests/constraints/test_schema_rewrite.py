@@ -330,3 +330,42 @@ def test_conditions_on_a_listed_property_become_branches_the_grammar_enforces(to
     for text in ('{"type": "fixed", "size": 256}', '{"type": "fixed", "description": "x"}', '{"type": "fixed"}',
                  '{"type": "maxAvailable"}', '{"type": "maxAvailable", "size": 1}'):
         assert accepts(text) == jsonschema.Draft202012Validator(TARGET_SIZE).is_valid(json.loads(text)), text
+
+
+ELM = {"$schema": "http://json-schema.org/draft-07/schema#",
+       "definitions": {"package": {"type": "object", "properties": {"type": {}, "name": {"type": "string"}},
+                                   "required": ["name"], "additionalProperties": False},
+                       "application": {"type": "object", "properties": {"type": {}, "elm": {"type": "integer"}},
+                                       "required": ["elm"], "additionalProperties": False}},
+       "properties": {"type": {"type": "string", "enum": ["application", "package"]}}, "required": ["type"],
+       "if": {"properties": {"type": {"enum": ["package"]}}}, "then": {"$ref": "#/definitions/package"},
+       "else": {"if": {"properties": {"type": {"enum": ["application"]}}},
+                "then": {"$ref": "#/definitions/application"}, "else": {}}}
+
+
+@pytest.mark.parametrize("backend", ["auto", "llguidance"])
+def test_an_untyped_root_under_object_conditions_is_an_object_whose_chain_becomes_branches(
+        tokenizer: Any, backend: str) -> None:
+    """elm.json's root has no type, and its if / else-if chain picks an object schema by the
+    required "type": a string passes the if and fails the then, so only objects are valid. The
+    grammar, which leaves if / then out, offered "a string"; now it offers exactly the objects."""
+    import jsonschema
+
+    from radixgen.constraints.schema_rewrite import grammar_schema, type_by_conditions
+
+    assert type_by_conditions(ELM)["type"] == "object"
+    for left in ({**ELM, "then": {"type": "string"}}, {**ELM, "if": {"minLength": 2}}, {**ELM, "type": "array"}):
+        assert type_by_conditions(left).get("type") == left.get("type"), "a then that is no object, an if a string can fail"
+    rewritten = grammar_schema(ELM)
+    assert rewritten["type"] == "object" and "if" not in rewritten and len(rewritten["anyOf"]) == 2
+    unlisted = {**ELM, "properties": {"type": {"enum": ["application", "package", "other"]}}}
+    assert "if" in grammar_schema(unlisted), "a value no condition tests: the chain's empty else is reachable"
+    grammar = make_backend(backend, tokenizer, 49152, [tokenizer.eos_token_id]).compile(schema_spec(ELM))
+
+    def accepts(text: str) -> bool:
+        matcher = grammar.matcher()
+        return matcher.accept_all(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_completed()
+
+    for text in ('"elm"', '{"type": "package", "name": "x"}', '{"type": "package", "elm": 1}',
+                 '{"type": "application", "elm": 19}', '{"type": "application", "name": "x"}', '{"type": "other"}'):
+        assert accepts(text) == jsonschema.Draft7Validator(ELM).is_valid(json.loads(text)), text
