@@ -39,6 +39,9 @@ class Rollback:
     ends_output: bool = False
     """The replaced value is the whole output (a bare root number): once written, the output
     ends there instead of letting the model add digits to it."""
+    token: int | None = None
+    """The token to ban at ``ban_at`` where it is not in the output (one the automaton refused
+    before it was appended); None: the output's own token there."""
 
 
 @dataclass(frozen=True)

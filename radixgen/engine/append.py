@@ -4,6 +4,7 @@ validators' rejections, output callbacks."""
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from typing import Any
 
@@ -21,6 +22,8 @@ from radixgen.engine.row_outcome import EXTEND_FORCED, GO_ON, Ended, Finish, Rol
 from radixgen.engine.row_params import RowParams
 from radixgen.engine.sampler import SampleResult
 from radixgen.engine.steering import BudgetSteering
+
+logger = logging.getLogger(__name__)
 
 Logprobs = tuple[float, list[tuple[int, float]]]
 """A token's log-probability and the top alternatives' (id, log-probability)."""
@@ -70,9 +73,7 @@ class TokenAppender:
             req.error, req.user_error = state.dead_end, True
             return Finish(FinishReason.ERROR)
         if not matcher.accept(token):
-            req.output_ids.append(token)
-            req.error = f"internal error: the constraint rejected token {token} that its mask allowed"
-            return Finish(FinishReason.ERROR)
+            return self._refused(req, state, token)
         if matcher.is_terminated():
             self._record_logprobs(req, result, row, sampled)
             req.output_ids.append(token)
@@ -186,6 +187,22 @@ class TokenAppender:
         automaton takes its stop token without a step spent sampling the only allowed token."""
         assert req.constraint is not None
         return req.constraint.matcher.is_completed()
+
+    @staticmethod
+    def _refused(req: Request, state: ConstraintState, token: int) -> Ended:
+        """The automaton refused a token its own mask allowed: the backend's mask and its parser
+        disagreed (llguidance once, at temperature 0.7 on the practice corpus), or its parser
+        failed. A failed parser ends the request with its reason; otherwise the token is banned
+        where it stood and that position is sampled again, as after a validator's rejection."""
+        failure = state.matcher.error()
+        if failure is not None:
+            req.error, req.user_error = f"the constraint's automaton failed: {failure}; simplify the constraint", True
+            return Finish(FinishReason.ERROR)
+        logger.warning("%s: the constraint refused token %d that its mask allowed; sampling that position again "
+                       "without it", req.request_id, token)
+        here = len(req.output_ids)
+        return RollBack(Rollback(here, here, f"the constraint refused token {token} that its mask allowed",
+                                 token=token))
 
     def _complete(self, req: Request) -> Ended:
         """The automaton is terminated: a bare root value (a number) completes only here, so

@@ -349,7 +349,7 @@ class StepApplier:
         removed = len(req.output_ids) - keep
         state.matcher.rollback(removed)
         state.bans = {pos: toks for pos, toks in state.bans.items() if pos <= keep or pos == ban_at}
-        state.bans.setdefault(ban_at, set()).add(req.output_ids[ban_at])
+        state.bans.setdefault(ban_at, set()).add(req.output_ids[ban_at] if rollback.token is None else rollback.token)
         self._truncate_output(req, keep)
         # KV stays valid for the kept tokens but the last one (it is fed again to resample)
         kept_computed = req.prompt_len + keep - 1
