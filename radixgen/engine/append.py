@@ -13,7 +13,7 @@ import numpy as np
 from radixgen.constraints.events import Rejection
 from radixgen.constraints.report import REPORT_KINDS, ConstraintReport, ended_as
 from radixgen.constraints.state import ConstraintState, Rollback
-from radixgen.engine.constrained import forced_token_ids
+from radixgen.engine.constrained import automaton_failed, forced_token_ids
 from radixgen.engine.detokenizer import IncrementalDetokenizer
 from radixgen.engine.output import FinishReason, RequestOutput
 from radixgen.engine.plan import StepPlan
@@ -191,12 +191,12 @@ class TokenAppender:
     @staticmethod
     def _refused(req: Request, state: ConstraintState, token: int) -> Ended:
         """The automaton refused a token its own mask allowed: the backend's mask and its parser
-        disagreed (llguidance once, at temperature 0.7 on the practice corpus), or its parser
-        failed. A failed parser ends the request with its reason; otherwise the token is banned
-        where it stood and that position is sampled again, as after a validator's rejection."""
+        disagreed, or its parser failed. A failed parser ends the request with its reason;
+        otherwise the token is banned where it stood and that position is sampled again, as
+        after a validator's rejection."""
         failure = state.matcher.error()
         if failure is not None:
-            req.error, req.user_error = f"the constraint's automaton failed: {failure}; simplify the constraint", True
+            req.error, req.user_error = automaton_failed(failure), True
             return Finish(FinishReason.ERROR)
         logger.warning("%s: the constraint refused token %d that its mask allowed; sampling that position again "
                        "without it", req.request_id, token)

@@ -176,7 +176,7 @@ class ConstrainedDecoding:
                 failure = state.matcher.error()
                 state.mark_dead_end(
                     "the validators rejected every token that could continue the output here" if banned else
-                    f"the constraint's automaton failed: {failure}; simplify the constraint" if failure else DEAD_END)
+                    automaton_failed(failure) if failure else DEAD_END)
         return mask
 
     def scratch_mask(self) -> np.ndarray:
@@ -244,6 +244,11 @@ class ConstrainedDecoding:
     def shutdown(self) -> None:
         if self._service is not None:
             self._service.shutdown()
+
+
+def automaton_failed(failure: str) -> str:
+    """What a request is told when its constraint's parser fails (``Matcher.error()``)."""
+    return f"the constraint's automaton failed: {failure}; simplify the constraint"
 
 
 def forced_token_ids(tokenizer: Any, forced: str) -> list[int]:
