@@ -379,7 +379,8 @@ class BudgetState:
 
     def restore(self, saved: BudgetSnapshot) -> None:
         self.lexer = JsonStrings(saved.in_string, saved.escape)
-        self.string_chars, self.in_key, self.containers, self.key_expected, self.dfa_state = saved[2:]
+        self.string_chars, self.in_key, self.containers = saved.string_chars, saved.in_key, saved.containers
+        self.key_expected, self.dfa_state = saved.key_expected, saved.dfa_state
 
     def scan(self, text: str) -> bool:
         """Follow the text of one token; True when the completion may have changed (for JSON,
