@@ -134,7 +134,9 @@ class EngineConfig:
     max_new_tokens_limit: int | None = None
     """Largest max_new_tokens / max_tokens a request may ask for; None: whatever fits the context."""
     jump_forward: bool = True
-    """Append text a constraint forces without a decode step per token (computed in one extend)."""
+    """Append text a constraint forces without a decode step per token (computed in one extend
+    on top of the cached sequence; with the radix cache disabled the forced tokens are decoded,
+    or drafted, instead: the extend would compute the whole sequence again)."""
     jump_forward_max_batch: int = 4
     """Jump forward only while at most this many requests decode: a larger batch already shares
     each step, and the extra extend step would cost more than the steps it saves (measured:

@@ -104,8 +104,11 @@ class StepApplier:
                 if plan.batch_version is not None and plain.all():  # each row appended exactly its sample
                     self.planner.decode_batch.next_inputs = Keyed(plan.batch_version, result.token_ids.copy())
             rest = list(range(len(plan.requests))) if plain is None else np.flatnonzero(~plain).tolist()
-        running = len(self.planner.running)
-        allow_jump = running <= self.config.jump_forward_max_batch
+        # the batch the next step decodes: this step's finished prompts join it as it is applied
+        running = len(self.planner.running) + _joining(plan, num_prefill)
+        # jump-forward's extend reuses the cached sequence; without the radix cache it would
+        # compute the whole sequence again, so the forced tokens are decoded (or drafted) instead
+        allow_jump = self.kv.use_cache and running <= self.config.jump_forward_max_batch
         drafter = self.planner.drafter
         extend_lens = plan.extend_lens.tolist() if rest else []
         for i in rest:
@@ -393,3 +396,12 @@ class StepApplier:
             if not req.is_finished:
                 req.num_computed += int(plan.extend_lens[i])  # their slots were allocated for this step
                 self._fail_request(req, error)
+
+
+def _joining(plan: StepPlan, num_prefill: int) -> int:
+    """How many of the step's prompt rows finish their prompt here (and join the running batch)."""
+    if num_prefill == 0:
+        return 0
+    if plan.sample_mask is None:
+        return num_prefill
+    return int(plan.sample_mask[:num_prefill].sum())

@@ -187,6 +187,33 @@ def test_jump_forward_on_the_real_model(make_engine: Callable[..., Engine], real
         jsonschema.validate(json.loads(text), schema)
 
 
+def _first_step_jumps(make_engine: Callable[..., Engine], tmp_path: Path, requests: int, **config: Any) -> int:
+    log = tmp_path / f"steps-{requests}.jsonl"
+    engine = make_engine(jump_forward=True, jump_forward_max_batch=2, speculative="off", event_log=str(log), **config)
+    engine.generate(["Data:"] * requests, SamplingParams(max_new_tokens=40, temperature=0, json_schema=JF_SCHEMAS[1]))
+    first = json.loads(log.read_text().splitlines()[0])
+    assert first["kind"] == "prefill" and first["batch_size"] == requests
+    return int(first["jump_forwards"])
+
+
+def test_jump_forward_counts_the_prompts_that_join_the_batch(make_engine: Callable[..., Engine], tmp_path: Path) -> None:
+    # the rows a prefill step finishes are part of the batch the next step decodes: four of
+    # them are past jump_forward_max_batch although nothing was running before the step
+    assert _first_step_jumps(make_engine, tmp_path, 1) == 1
+    assert _first_step_jumps(make_engine, tmp_path, 4) == 0
+
+
+def test_without_the_radix_cache_forced_text_is_not_computed_twice(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine(jump_forward=True, speculative="off", disable_radix_cache=True)
+    stats = engine.scheduler.stats
+    out = engine.generate("Data:", SamplingParams(max_new_tokens=40, temperature=0, json_schema=JF_SCHEMAS[1]))
+    jsonschema.validate(json.loads(out.text), JF_SCHEMAS[1])
+    # a jump-forward extend would have recomputed the prompt: with no cache to reuse, every
+    # position is computed once (the last output token is never fed back)
+    assert stats.num_jump_forwards == 0
+    assert stats.computed_tokens == out.prompt_tokens + out.completion_tokens - 1
+
+
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 def test_jump_forward_with_sampling_stays_valid(make_engine: Callable[..., Engine], backend: str) -> None:
     engine = make_engine(jump_forward=True, grammar_backend=backend)
