@@ -34,11 +34,11 @@ from radixgen.constraints import (  # noqa: E402
     GrammarOptions,
     GrammarService,
     allocate_bitmask,
-    apply_bitmask,
     make_backend,
 )
 from radixgen.constraints.conformance import score_suite, serialize  # noqa: E402
 from radixgen.constraints.spec import schema_spec  # noqa: E402
+from radixgen.kernels.ops import apply_bitmask  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / "tests" / "data" / "json-schema-test-suite"

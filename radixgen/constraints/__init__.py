@@ -19,9 +19,9 @@ from radixgen.constraints.spec import (
 
 
 def __getattr__(name: str) -> Any:
-    # the mask ops import torch; the specs, grammars and matchers (what the server's HTTP process
+    # the bitmask helpers import numpy; the specs, grammars and matchers (what the server's HTTP process
     # uses) do not
-    if name in ("allocate_bitmask", "apply_bitmask"):
+    if name == "allocate_bitmask":
         from radixgen.constraints import mask
 
         return getattr(mask, name)
@@ -62,5 +62,5 @@ def make_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: lis
 __all__ = [
     "BACKENDS", "JSON_OBJECT", "ConstraintSpec", "Grammar", "GrammarBackend", "GrammarOptions", "GrammarService",
     "Matcher",
-    "allocate_bitmask", "apply_bitmask", "choices_spec", "make_backend", "regex_spec", "schema_spec",
+    "allocate_bitmask", "choices_spec", "make_backend", "regex_spec", "schema_spec",
 ]

@@ -18,7 +18,6 @@ from radixgen.constraints import (
     GrammarOptions,
     GrammarService,
     allocate_bitmask,
-    apply_bitmask,
     make_backend,
 )
 from radixgen.constraints.backend import Matcher
@@ -34,6 +33,7 @@ from radixgen.engine.request import Request
 from radixgen.engine.sampler import logprob_parts
 from radixgen.engine.steering import BudgetSteering
 from radixgen.errors import InvalidParamsError
+from radixgen.kernels.ops import apply_bitmask
 from radixgen.staging import ReadBack, upload
 
 logger = logging.getLogger(__name__)

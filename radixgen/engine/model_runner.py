@@ -9,7 +9,6 @@ import numpy as np
 import torch
 
 from radixgen.config import AttentionBackend, EngineConfig
-from radixgen.constraints.mask import apply_bitmask
 from radixgen.engine.graph_runner import DecodeRunner, create_decode_runner, pad_decode
 from radixgen.engine.kv_pool import KVPool
 from radixgen.engine.plan import StepPlan
@@ -19,6 +18,7 @@ from radixgen.host_memory import (
     release_freed_memory,
 )
 from radixgen.kernels import CpuKernels, cpu_kernels
+from radixgen.kernels.ops import apply_bitmask
 from radixgen.models import CausalLM, LoadedModel, load_model, torch_dtype
 from radixgen.models.attention import create_backend
 from radixgen.models.quantized import QuantizedLinear

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixgen.constraints.mask import apply_bitmask
 from radixgen.engine.decode_batch import DecodeBatchCache, Keyed, current
 from radixgen.engine.plan import StepPlan
 from radixgen.engine.request import Request
 from radixgen.engine.row_params import RowParams
 from radixgen.kernels import ops  # noqa: F401  # defines torch.ops.radixgen.argmax_rows
+from radixgen.kernels.ops import apply_bitmask
 from radixgen.staging import ReadBack, upload
 
 StagedBuild = Callable[[list[torch.Tensor]], "SamplingBatch"]

@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from radixgen.config import EngineConfig
-from radixgen.constraints import apply_bitmask
 from radixgen.constraints.backend import Matcher
 from radixgen.engine.constrained import forced_token_ids, walk_masks
 from radixgen.engine.ngram import DraftState, NgramIndex
@@ -46,6 +45,7 @@ from radixgen.engine.sampler import (
     logprob_parts,
     sample_rows,
 )
+from radixgen.kernels.ops import apply_bitmask
 from radixgen.staging import ReadBack, upload
 
 # After this many drafted tokens, a request whose drafts were accepted less often than they

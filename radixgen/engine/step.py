@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixgen.constraints.mask import apply_bitmask
 from radixgen.engine.constrained import DEAD_END, ConstrainedDecoding
 from radixgen.engine.model_runner import ModelRunner, split_prompt_scores
 from radixgen.engine.plan import StepKind, StepPlan
@@ -36,6 +35,7 @@ from radixgen.engine.sampler import Sampler, SampleResult, SamplingBatchCache
 from radixgen.engine.scheduler import Scheduler
 from radixgen.engine.speculative import Verdict
 from radixgen.engine.speculative import verify as verify_drafts
+from radixgen.kernels.ops import apply_bitmask
 from radixgen.staging import upload
 
 logger = logging.getLogger(__name__)

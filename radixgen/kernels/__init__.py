@@ -37,7 +37,8 @@ _LIBRARY = "radixgen_kernels.so"  # what torch's builder links in the build fold
 # defined in ops.py, and the extension adds their CPU kernels
 _OPS = ("decode_attention", "prefill_attention", "prefill_attention_native", "shared_prefix_attention", "gguf_repack",
         "dequantize_records")
-_FUSED_OPS = ("rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul", "small_linear", "quant_linear", "argmax_rows")
+_FUSED_OPS = ("rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul", "small_linear", "quant_linear", "argmax_rows",
+              "apply_bitmask")
 # Release flags that keep IEEE semantics apart from reassociation (so the dot products
 # vectorise); -ffast-math would link crtfastmath and flush denormals process-wide. -fopenmp:
 # at::parallel_for is an OpenMP pragma in a header and runs serially without it; torch ships

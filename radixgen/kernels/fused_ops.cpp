@@ -11,7 +11,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "common.h"
 
@@ -261,10 +263,54 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 }
 
 // The schemas are defined in radixgen/kernels/ops.py, with the PyTorch and Triton implementations.
+// logits [B, V] float32 (in place), bitmask [B, W] int32 with W*32 >= V: the logits of tokens
+// whose bit is clear become -inf. Inside a JSON string nearly every word allows all 32 tokens,
+// and most other masks are mostly all-clear words, so a word is skipped or filled whole and only
+// the few mixed words are read bit by bit (the reference's byte-table gather writes every logit).
+void apply_bitmask(at::Tensor& logits, const at::Tensor& bitmask) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
+                  logits.is_contiguous(),
+              "apply_bitmask: contiguous float32 CPU logits [B, V]");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.size(0) == logits.size(0) &&
+                  bitmask.size(1) * 32 >= logits.size(1),
+              "apply_bitmask: int32 bitmask [B, W] with W*32 >= V");
+  const at::Tensor words = bitmask.contiguous();
+  const int64_t batch = logits.size(0), vocab = logits.size(1), width = words.size(1);
+  float* dst = logits.data_ptr<float>();
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>());
+  const float blocked = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      float* row = dst + b * vocab;
+      const uint32_t* mask = src + b * width;
+      for (int64_t w = 0; w * 32 < vocab; ++w) {
+        const uint32_t word = mask[w];
+        if (word == 0xFFFFFFFFu) continue;
+        const int64_t first = w * 32, count = std::min<int64_t>(32, vocab - first);
+#if defined(__AVX512F__)
+        if (count == 32) {  // each clear bit selects a lane to store -inf into
+          const __m512 fill = _mm512_set1_ps(blocked);
+          _mm512_mask_storeu_ps(row + first, static_cast<__mmask16>(~word & 0xFFFFu), fill);
+          _mm512_mask_storeu_ps(row + first + 16, static_cast<__mmask16>((~word >> 16) & 0xFFFFu), fill);
+          continue;
+        }
+#endif
+        if (word == 0) {
+          for (int64_t i = 0; i < count; ++i) row[first + i] = blocked;
+          continue;
+        }
+        for (int64_t i = 0; i < count; ++i)
+          if (!((word >> i) & 1u)) row[first + i] = blocked;
+      }
+    }
+  });
+}
+
 TORCH_LIBRARY_IMPL(radixgen, CPU, m) {
   m.impl("rms_norm", TORCH_FN(rms_norm));
   m.impl("add_rms_norm", TORCH_FN(add_rms_norm));
   m.impl("rope_store_kv", TORCH_FN(rope_store_kv));
   m.impl("silu_mul", TORCH_FN(silu_mul));
   m.impl("argmax_rows", TORCH_FN(argmax_rows));
+  m.impl("apply_bitmask", TORCH_FN(apply_bitmask));
 }

@@ -1,7 +1,7 @@
 """A layer's fused steps as PyTorch operators, so the model has one forward on every device.
 
 ``torch.ops.radixgen.{rms_norm, add_rms_norm, rope_store_kv, silu_mul, small_linear,
-quant_linear, argmax_rows}`` are defined here. Each has three implementations, picked by PyTorch's dispatcher
+quant_linear, argmax_rows, apply_bitmask}`` are defined here. Each has three implementations, picked by PyTorch's dispatcher
 from the tensors' device: the C++ kernel for CPU (``fused_ops.cpp`` and the others register it
 when the extension loads), a Triton kernel for CUDA (``triton_ops.py``; ``small_linear`` and
 ``quant_linear`` run the PyTorch code there), and the PyTorch code (``reference.py``) as the fallback for
@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from radixgen.kernels import reference
 from radixgen.kernels.reference import REFERENCE
 
 _lib = torch.library.Library("radixgen", "FRAGMENT")
@@ -34,6 +35,7 @@ SCHEMAS = {
     "small_linear": "small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
     "quant_linear": "quant_linear(Tensor x, Tensor packed, int out_features, int bits) -> Tensor",
     "argmax_rows": "argmax_rows(Tensor logits) -> Tensor",
+    "apply_bitmask": "apply_bitmask(Tensor(a!) logits, Tensor bitmask) -> ()",
 }
 
 
@@ -62,9 +64,13 @@ def _fake_argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.new_empty(logits.shape[0], dtype=torch.int64)
 
 
-_FAKES: dict[str, Callable[..., torch.Tensor]] = {"rms_norm": _fake_rows, "add_rms_norm": _fake_rows, "rope_store_kv": _fake_rope,
+def _fake_apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    return None
+
+
+_FAKES: dict[str, Callable[..., torch.Tensor | None]] = {"rms_norm": _fake_rows, "add_rms_norm": _fake_rows, "rope_store_kv": _fake_rope,
           "silu_mul": _fake_silu_mul, "small_linear": _fake_small_linear, "quant_linear": _fake_quant_linear,
-          "argmax_rows": _fake_argmax_rows}
+          "argmax_rows": _fake_argmax_rows, "apply_bitmask": _fake_apply_bitmask}
 
 
 def _cuda(name: str) -> Any:
@@ -85,3 +91,13 @@ for _name, _schema in SCHEMAS.items():
     torch.library.register_fake(f"radixgen::{_name}", _FAKES[_name], lib=_lib)
     if _name in _TRITON_OPS:
         _lib.impl(_name, _cuda(_name), "CUDA")
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set the logits [B, V] whose bit is clear in ``bitmask`` [B, W] (int32 words, bit i of word
+    j for token 32*j + i; on the logits' device) to -inf, in place: the native kernel for
+    contiguous float32 CPU logits, the PyTorch code otherwise."""
+    if logits.dtype == torch.float32 and logits.is_contiguous():
+        torch.ops.radixgen.apply_bitmask.default(logits, bitmask)
+    else:
+        reference.apply_bitmask(logits, bitmask)

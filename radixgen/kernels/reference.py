@@ -68,6 +68,28 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+_BYTE_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _byte_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8]: for each byte value, 0 where its bit is set and -inf where not."""
+    key = (device, dtype)
+    table = _BYTE_TABLES.get(key)
+    if table is None:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+        table = _BYTE_TABLES[key] = torch.where(bits.bool(), 0.0, float("-inf")).to(device=device, dtype=dtype)
+    return table
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set disallowed logits to -inf in place: logits [B, V], bitmask [B, W] int32 (bit i of word
+    j allows token 32*j + i, little-endian words; W*32 >= V). A byte lookup builds the additive
+    mask in one gather (faster than unpacking bits with shifts)."""
+    batch, vocab = logits.shape
+    table = _byte_table(logits.device, logits.dtype)
+    logits += table[bitmask.contiguous().view(torch.uint8).long()].view(batch, -1)[:, :vocab]
+
+
 REFERENCE = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope_store_kv": rope_store_kv,
              "silu_mul": silu_mul, "small_linear": small_linear, "quant_linear": quant_linear,
-             "argmax_rows": argmax_rows}
+             "argmax_rows": argmax_rows, "apply_bitmask": apply_bitmask}

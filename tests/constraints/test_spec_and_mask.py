@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from radixgen import SamplingParams
-from radixgen.constraints import GrammarService, allocate_bitmask, apply_bitmask, make_backend
+from radixgen.constraints import GrammarService, allocate_bitmask, make_backend
 from radixgen.constraints.spec import choices_spec, regex_spec, schema_spec
 from radixgen.errors import InvalidConstraintError, InvalidParamsError
+from radixgen.kernels.ops import apply_bitmask
 
 
 @pytest.mark.parametrize(

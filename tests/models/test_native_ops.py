@@ -296,6 +296,25 @@ def test_argmax_rows_takes_the_first_largest_and_a_nan_as_largest_like_torch(ker
     assert torch.equal(torch.ops.radixgen.argmax_rows(strided), strided.argmax(dim=-1))
 
 
+@pytest.mark.parametrize(("vocab", "width"), [(1, 1), (31, 1), (100, 4), (49152, 1536), (49155, 1540)])
+def test_apply_bitmask_kernel_matches_the_reference(kernels, vocab, width) -> None:
+    """Words that allow every token (skipped) and none (filled whole), mixed words with bit 31,
+    a last word past the vocabulary, and a bitmask wider than the vocabulary."""
+    gen = torch.Generator().manual_seed(vocab)
+    words = torch.randint(-(2**31), 2**31 - 1, (6, width), dtype=torch.int32, generator=gen)
+    words[0] = -1
+    words[1] = 0
+    words[2, ::2] = -1
+    words[3, 1::2] = 0
+    words[4, -1] = -(2**31)  # only bit 31 of the last word
+    logits = torch.randn(6, vocab, generator=gen)
+    native, expected = logits.clone(), logits.clone()
+    torch.ops.radixgen.apply_bitmask(native, words)
+    reference.apply_bitmask(expected, words)
+    assert torch.equal(native, expected)
+    assert torch.equal(native[0], logits[0]) and bool(torch.isinf(native[1]).all())
+
+
 def test_a_built_library_is_loaded_without_the_builder(kernels: object) -> None:
     """A start that finds the library built for these sources and flags loads it as it is: the
     builder (torch's cpp_extension and ninja, about a fifth of a second) is not imported."""
