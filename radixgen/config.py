@@ -151,10 +151,12 @@ class EngineConfig:
     every request; off: none. A request's ``speculative`` overrides it either way."""
     speculative_max_draft: int = 6
     """Most tokens one request drafts per step."""
-    speculative_max_batch: int = 8
-    """auto: requests draft only while at most this many decode (a larger batch already shares
-    each step's weight reads, and verification's extra positions cost more than they save:
-    benchmarks/bench_drafting.py measured 1.00x at 16 and 0.93x at 64 without the cap)."""
+    speculative_max_batch: int | None = None
+    """auto: requests draft only while at most this many decode. None (default): measured on
+    this machine, per batch size: a request drafts where the engine's own step times say its
+    drafted tokens are accepted often enough to pay for the positions they add (a batch size not
+    yet measured drafts, to measure it). A larger batch already shares each step's weight
+    reads, so on a few CPU cores drafting stops paying somewhere past 8."""
     speculative_step_budget: int = 64
     """Most draft tokens per step across the batch."""
     speculative_ngram_max: int = 3

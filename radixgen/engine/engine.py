@@ -136,6 +136,7 @@ class Engine:
                                                list(self.model_config.eos_token_ids), self.runner.device)
         self.scheduler = Scheduler(self.config, pool, self.tokenizer, self.model_config.eos_token_ids,
                                    steering=self.constraints.steering)
+        self.scheduler.planner.drafter.max_step_tokens = self.runner.full_precision_max_tokens
         self.sampler = Sampler(self.model_config.vocab_size, self.config.max_running_requests, self.runner.device)
         self._inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
         self._rng = random.Random(self.config.seed)

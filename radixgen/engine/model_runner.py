@@ -105,8 +105,16 @@ class ModelRunner:
             model.drop_plain_weights()
         self.weights = describe_weights(model)
         large_steps = self.kernel_choices.quant_large_steps() if self.kernel_choices else None
+        self.full_precision_max_tokens: int | None = None
+        """The largest step whose linears compute in the model's own precision (None: every step):
+        a float32 model's large steps may run on bfloat16 tiles where that measured faster, and a
+        step that verifies drafts must choose as a decode step would."""
         if large_steps is not None:
             self.weights += _run_large_steps(model, pool.k.dtype, *large_steps)
+            implementation, from_tokens = large_steps
+            if implementation.startswith("tiles_") and \
+                    getattr(torch, implementation.removeprefix("tiles_")).itemsize < pool.k.dtype.itemsize:
+                self.full_precision_max_tokens = from_tokens - 1
         logger.info("weights: %s", self.weights)
         if device.type == "cpu":
             moved = move_into_huge_pages([*model.parameters(), *model.buffers()])

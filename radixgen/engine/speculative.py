@@ -53,6 +53,7 @@ from radixgen.staging import ReadBack, upload
 # drafting: each drafted token costs a position of compute in the step.
 _GIVE_UP_AFTER = 24
 _GIVE_UP_BELOW = 0.2
+_OWN_RECORD_AFTER = 8  # drafted tokens after which a request's own acceptance stands for it
 _COST_SMOOTHING = 0.1  # how fast older steps fade from the step-time fit
 
 
@@ -75,11 +76,16 @@ class DraftCost:
     drafted positions takes t(B) + E*m, fitted by least squares over recent steps (decode steps
     are E = 0; when every row drafts, the drafts' own variation separates the two). A drafted
     token is accepted with probability a and then saves t(B)/B of decode time, so drafting pays
-    when a > m*B/t(B), the break-even acceptance."""
+    when a > m*B/t(B), the break-even acceptance. What that is depends on the machine and the
+    model: where a step is bound by reading the weights, extra positions are nearly free; where
+    it is bound by compute (a large batch on a few cores), each costs about a row's share."""
 
     def __init__(self) -> None:
         # per bucket, exponentially weighted sums: weight, E, t, E*E, E*t
         self._sums: dict[int, list[float]] = {}
+        self._fits: dict[int, tuple[float, float]] = {}
+        """Per bucket, the last fit the sums supported: (t(B), m). It stands while drafting is
+        off there (decode steps alone cannot separate the two again)."""
 
     @staticmethod
     def _bucket(rows: int) -> int:
@@ -89,23 +95,33 @@ class DraftCost:
         if plan.kind.has_prompt_rows:
             return  # prefill and mixed steps: their time is the prompts'
         drafted = float(plan.draft_lens.sum()) if plan.draft_lens is not None else 0.0
-        sums = self._sums.setdefault(self._bucket(len(plan.requests)), [0.0] * 5)
+        self.observe_step(len(plan.requests), drafted, seconds)
+
+    def observe_step(self, rows: int, drafted: float, seconds: float) -> None:
+        bucket = self._bucket(rows)
+        sums = self._sums.setdefault(bucket, [0.0] * 5)
         for k, value in enumerate((1.0, drafted, seconds, drafted * drafted, drafted * seconds)):
             sums[k] = (1 - _COST_SMOOTHING) * sums[k] + value
-
-    def break_even(self, rows: int) -> float:
-        """The acceptance a request's drafts need to pay at this batch size."""
-        sums = self._sums.get(self._bucket(rows))
-        if sums is None:
-            return _GIVE_UP_BELOW
         n, e, t, ee, et = sums
         spread = n * ee - e * e
         if spread <= 0.25 * n * n:  # the drafted counts hardly vary yet: the fit would be noise
-            return _GIVE_UP_BELOW
+            return
         per_draft = max((n * et - e * t) / spread, 0.0)
         step = (t - per_draft * e) / n
-        if step <= 0:
+        if step > 0:
+            self._fits[bucket] = (step, per_draft)
+
+    def measured(self, rows: int) -> bool:
+        """Whether this batch size's cost has been measured (drafts have run at it)."""
+        return self._bucket(rows) in self._fits
+
+    def break_even(self, rows: int) -> float:
+        """The acceptance a request's drafts need to pay at this batch size (a default until
+        measured)."""
+        fit = self._fits.get(self._bucket(rows))
+        if fit is None:
             return _GIVE_UP_BELOW
+        step, per_draft = fit
         return min(max(per_draft * rows / step, 0.05), 0.95)
 
 
@@ -126,6 +142,10 @@ class NgramDrafter:
         """Accepted draft tokens by where they came from: the constraint's forced text, a span
         of the prompt, or an earlier stretch of the output."""
         self.cost = DraftCost()
+        self.max_step_tokens: int | None = None
+        """Most tokens a step with drafts may feed (None: no bound): past it the model runs its
+        linears in lower precision (``ModelRunner.full_precision_max_tokens``), and a draft
+        verified there could be judged against other logits than a decode step's."""
         self._rows = 1  # the running batch at the last draft
         self.tokenizer: Any = None
 
@@ -145,12 +165,28 @@ class NgramDrafter:
                                    and p.constraint.kind != "structural")
 
     def drafting(self, req: Request, batch: int) -> bool:
-        """Whether the request drafts in a step of ``batch`` running requests (under auto, only in
-        small batches, unless the request asked for drafting itself)."""
+        """Whether the request drafts in a step of ``batch`` running requests. Under auto, where
+        its drafts pay at this batch size (``speculative_max_batch`` None: as measured, a batch
+        size not yet measured drafting to measure it; a number: up to that many requests), unless
+        the request asked for drafting itself."""
         state = req.speculation
         if not self.wants(req) or (state is not None and state.gave_up):
             return False
-        return batch <= self.max_batch or self.by_default or req.params.speculative is True
+        if self.by_default or req.params.speculative is True:
+            return True
+        if self.max_batch is not None:
+            return batch <= self.max_batch
+        return not self.cost.measured(batch) or self.acceptance(req) > self.cost.break_even(batch)
+
+    def acceptance(self, req: Request) -> float:
+        """How often the request's drafted tokens are accepted: its own record once it has one,
+        before that the engine's (all drafts so far), before that as if every one were."""
+        state = req.speculation
+        if state is not None and state.drafted >= _OWN_RECORD_AFTER:
+            return state.accepted / state.drafted
+        if self.drafted_tokens >= _OWN_RECORD_AFTER:
+            return self.accepted_tokens / self.drafted_tokens
+        return 1.0
 
     def may_draft(self, reqs: list[Request]) -> bool:
         """Whether any of these requests may draft in its next step (overlapped scheduling plans a
@@ -166,6 +202,8 @@ class NgramDrafter:
     def draft(self, reqs: list[Request]) -> dict[Request, list[int]]:
         """Drafts for this step's running requests (those that have one), within the budget."""
         budget = self.step_budget
+        if self.max_step_tokens is not None:
+            budget = min(budget, self.max_step_tokens - len(reqs))
         drafts: dict[Request, list[int]] = {}
         self._rows = len(reqs)
         for req in reqs:
@@ -219,7 +257,11 @@ class NgramDrafter:
         state.accepted_forced += forced
         self.accepted_by_source["forced"] += forced
         self.accepted_by_source[state.draft_source] += accepted - forced
-        if state.drafted >= _GIVE_UP_AFTER and state.accepted < self.cost.break_even(self._rows) * state.drafted:
+        # measured back-off decides per step (a request that does not pay in a large batch may
+        # pay once the batch has shrunk); otherwise a request that does not pay stops for good
+        measured = self.constrained_by_default and self.max_batch is None and req.params.speculative is None
+        if not measured and state.drafted >= _GIVE_UP_AFTER and \
+                state.accepted < self.cost.break_even(self._rows) * state.drafted:
             state.gave_up = True
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -67,6 +69,39 @@ def test_drafts_must_be_accepted_as_often_as_they_cost_at_the_batch_size() -> No
     assert cost.break_even(1) == pytest.approx(0.2)
     assert cost.break_even(16) == pytest.approx(0.4)
     assert cost.break_even(12) == pytest.approx(0.3), "12 rows share the 16-row bucket's step times"
+
+
+def test_measured_back_off_drafts_where_the_machine_says_it_pays() -> None:
+    """speculative_max_batch None: an unmeasured batch size drafts (to be measured); a measured
+    one drafts only for requests whose acceptance passes its break-even, so the same request
+    stops drafting in a batch of 16 where positions are dear and drafts again once the batch has
+    shrunk to 2; a request that asked for drafting drafts regardless."""
+    from types import SimpleNamespace
+
+    from radixgen.config import EngineConfig
+    from radixgen.engine.ngram import DraftState, NgramIndex
+    from radixgen.engine.speculative import NgramDrafter
+
+    drafter = NgramDrafter(EngineConfig(), max_context_len=1024)
+    assert drafter.max_batch is None
+    state = DraftState(NgramIndex(3), drafted=20, accepted=10)  # half its drafts accepted
+    req = SimpleNamespace(params=SimpleNamespace(speculative=None, constraint=SimpleNamespace(kind="json")),
+                          speculation=state)
+    assert drafter.drafting(req, 16), "nothing measured at 16 rows yet: draft, and measure"
+    for drafted in (0, 16, 32, 48) * 3:
+        # 16 rows: 16 ms a step, 1 ms a drafted position -> break-even 1.0 (capped at 0.95)
+        drafter.cost.observe_step(16, drafted, 0.016 + 0.001 * drafted)
+        # 2 rows: 10 ms a step, 0.5 ms a drafted position -> break-even 0.1
+        drafter.cost.observe_step(2, drafted / 8, 0.010 + 0.0005 * drafted / 8)
+    assert drafter.cost.break_even(16) == pytest.approx(0.95)
+    assert drafter.cost.break_even(2) == pytest.approx(0.1)
+    assert not drafter.drafting(req, 16)
+    assert drafter.drafting(req, 2)
+    for _ in range(30):  # decode steps alone at 16 rows: the measured cost stands
+        drafter.cost.observe_step(16, 0, 0.016)
+    assert not drafter.drafting(req, 16)
+    asked = SimpleNamespace(params=SimpleNamespace(speculative=True, constraint=None), speculation=state)
+    assert drafter.drafting(asked, 16)
 
 
 @pytest.mark.parametrize("cache", [True, False])
@@ -334,6 +369,28 @@ def test_a_draft_that_leaves_the_grammar_is_cut_at_that_token(tiny_engine: Engin
     assert _grammatical_prefix(matcher, ids("ab123z") + [eos] + ids("ab")) == ids("ab123z"), \
         "the stop token that would end the automaton is left to the model"
     assert matcher.accept(ids("a")[0]) and not matcher.accept(ids("z")[0])
+
+
+def test_a_step_with_drafts_stays_within_the_full_precision_step_size(make_engine: Callable[..., Engine],
+                                                                     tmp_path: Path) -> None:
+    """Where larger steps run their linears in lower precision (bfloat16 tiles for a float32
+    model), a step that verifies drafts is kept below that size, so its choices are a decode
+    step's."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 5},
+                                                        "minItems": 3, "maxItems": 3}},
+              "required": ["name", "tags"], "additionalProperties": False}
+    params = SamplingParams(max_new_tokens=50, temperature=0.0, json_schema=schema)
+    prompts = [f"Record {i}:" for i in range(4)]
+    log = tmp_path / "steps.jsonl"
+    bounded = make_engine(event_log=str(log))
+    bounded.scheduler.planner.drafter.max_step_tokens = 7
+    outs = [o.token_ids for o in bounded.generate(prompts, params)]
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    drafted = [s for s in steps if s["drafted_tokens"]]
+    assert drafted, "drafts should have run"
+    assert max(s["new_tokens"] for s in drafted) <= 7
+    assert outs == [o.token_ids for o in make_engine(speculative="off").generate(prompts, params)]
 
 
 def test_drafting_backs_off_in_a_large_batch_unless_a_request_asks(make_engine: Callable[..., Engine]) -> None:
