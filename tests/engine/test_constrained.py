@@ -187,20 +187,22 @@ def test_jump_forward_on_the_real_model(make_engine: Callable[..., Engine], real
         jsonschema.validate(json.loads(text), schema)
 
 
-def _first_step_jumps(make_engine: Callable[..., Engine], tmp_path: Path, requests: int, **config: Any) -> int:
+def _steps_with_prompts(make_engine: Callable[..., Engine], tmp_path: Path, requests: int) -> list[dict[str, Any]]:
     log = tmp_path / f"steps-{requests}.jsonl"
-    engine = make_engine(jump_forward=True, jump_forward_max_batch=2, speculative="off", event_log=str(log), **config)
+    engine = make_engine(jump_forward=True, jump_forward_max_batch=2, speculative="off", event_log=str(log))
     engine.generate(["Data:"] * requests, SamplingParams(max_new_tokens=40, temperature=0, json_schema=JF_SCHEMAS[1]))
-    first = json.loads(log.read_text().splitlines()[0])
-    assert first["kind"] == "prefill" and first["batch_size"] == requests
-    return int(first["jump_forwards"])
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    return [s for s in steps if s["kind"] in ("prefill", "mixed")]
 
 
 def test_jump_forward_counts_the_prompts_that_join_the_batch(make_engine: Callable[..., Engine], tmp_path: Path) -> None:
-    # the rows a prefill step finishes are part of the batch the next step decodes: four of
-    # them are past jump_forward_max_batch although nothing was running before the step
-    assert _first_step_jumps(make_engine, tmp_path, 1) == 1
-    assert _first_step_jumps(make_engine, tmp_path, 4) == 0
+    # the rows a step finishes prefilling are part of the batch the next step decodes: a step
+    # of more rows than jump_forward_max_batch jumps none, although nothing ran before it
+    alone = _steps_with_prompts(make_engine, tmp_path, 1)  # the prompt, then the forced text's extends
+    assert alone[0]["jump_forwards"] == 1
+    crowded = [s for s in _steps_with_prompts(make_engine, tmp_path, 6) if s["batch_size"] > 2]
+    assert crowded, "the six prompts should have shared a step"
+    assert all(s["jump_forwards"] == 0 for s in crowded), crowded
 
 
 def test_without_the_radix_cache_forced_text_is_not_computed_twice(make_engine: Callable[..., Engine]) -> None:

@@ -31,7 +31,8 @@ def independently_valid(text: str, schema: dict[str, Any]) -> bool:
 
 def test_a_complete_answer_is_reported_valid_with_what_was_forced_and_drafted(
         make_engine: Callable[..., Engine]) -> None:
-    engine = make_engine()
+    # a fixed cap: whether drafting pays for this random-weight model is the machine's to measure
+    engine = make_engine(speculative_max_batch=8)
     out = engine.generate("Person:", SamplingParams(max_new_tokens=200, temperature=0, json_schema=PERSON))
     report = out.constraint
     assert report is not None and out.finish_reason is FinishReason.STOP
