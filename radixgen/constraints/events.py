@@ -187,6 +187,7 @@ class SchemaValidators:
         self._validator_cls = Draft202012Validator
         self._root_validator = root_cls(schema, format_checker=root_cls.FORMAT_CHECKER)
         self._cache: dict[int, Any] = {}  # id of a subschema inside self.root -> its validator
+        self._combined: dict[tuple[int, str], Any] = {}  # see resolve_subschema
 
     def check(self, path: Path, value: Any) -> str | None:
         """Why ``value`` at ``path`` is invalid, or None."""
@@ -200,7 +201,7 @@ class SchemaValidators:
         return None if error is None else f"{format_path(path + tuple(error.absolute_path))}: {error.message}"
 
     def _for_path(self, path: Path) -> Any:
-        sub = resolve_subschema(self.root, path)
+        sub = resolve_subschema(self.root, path, self._combined)
         if not isinstance(sub, dict) or not sub:
             return None
         # keyed by the subschema itself: $[0] and $[1] differ under prefixItems, $[5] and $[6] do not
@@ -213,9 +214,12 @@ class SchemaValidators:
         return validator
 
 
-def resolve_subschema(root: dict[str, Any], path: Path) -> Any:
+def resolve_subschema(root: dict[str, Any], path: Path, combined: dict[tuple[int, str], Any] | None = None) -> Any:
     """The subschema a value at ``path`` must satisfy, when the path alone determines it (None when
-    it depends on combinators like anyOf; the whole-object check still covers those)."""
+    it depends on combinators like anyOf; the whole-object check still covers those). A property
+    that ``patternProperties`` patterns match must satisfy each of their subschemas and its own
+    (``properties``) one: an ``allOf`` of them, made once per object schema and name where
+    ``combined`` keeps them (callers that key on a subschema's identity pass it)."""
     node: Any = deref(root, root)
     for part in path:
         if not isinstance(node, dict) or any(k in node for k in ("anyOf", "oneOf", "allOf", "if", "not", "$dynamicRef")):
@@ -227,22 +231,44 @@ def resolve_subschema(root: dict[str, Any], path: Path) -> Any:
             else:
                 node = node.get("items")
         else:
-            props = node.get("properties") or {}
-            patterns = node.get("patternProperties") or {}
-            if part not in props and any(_search(p, part) for p in patterns):
-                return None  # a pattern's subschema applies, maybe with others: the parent's check decides
-            node = props.get(part) if part in props else node.get("additionalProperties")
+            node = _property_schema(node, part, combined)
+            if node is _UNKNOWN:
+                return None
         node = deref(root, node)
         if node is None or node is True:
             return None
     return node
 
 
-def _search(pattern: str, key: str) -> bool:
+_UNKNOWN = object()
+
+
+def _property_schema(node: dict[str, Any], name: str, combined: dict[tuple[int, str], Any] | None) -> Any:
+    props = node.get("properties") or {}
+    patterns = node.get("patternProperties") or {}
+    matches = [_search(p, name) for p in patterns]
+    if None in matches:
+        return _UNKNOWN  # a pattern Python's re cannot read: the parent's check decides
+    matched = [sub for sub, hit in zip(patterns.values(), matches, strict=True) if hit]
+    if not matched:
+        return props.get(name) if name in props else node.get("additionalProperties")
+    parts = ([props[name]] if name in props else []) + matched
+    if len(parts) == 1:
+        return parts[0]
+    if combined is None:
+        return {"allOf": parts}
+    key = (id(node), name)
+    if key not in combined:
+        combined[key] = (node, {"allOf": parts})  # the node kept alive with its id
+    return combined[key][1]
+
+
+def _search(pattern: str, key: str) -> bool | None:
+    """Whether ``pattern`` matches in ``key``; None where Python's re cannot read the pattern."""
     try:
         return re.search(pattern, key) is not None
-    except re.error:  # a pattern Python's re cannot read: assume it may match
-        return True
+    except re.error:
+        return None
 
 
 def _pydantic_field_check(model: Any, name: str | int, value: Any) -> str | None:

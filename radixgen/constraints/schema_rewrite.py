@@ -4,6 +4,7 @@ bounded and every backend reads it the same way. Validators keep the caller's ow
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,8 @@ def grammar_schema(schema: Any, options: GrammarOptions = DEFAULT_OPTIONS) -> An
     """What the backends compile for ``schema`` (read by its draft: ``drafts.as_2020_12``)."""
     schema = as_2020_12(schema)
     schema = limit_recursion(integral_counts(bound_numbers(declare_required(require_dependents(
-        discriminated_conditions(type_by_conditions(type_object_branches(schema))))))), options.max_recursion_depth)
+        discriminated_conditions(type_by_conditions(type_by_negation(type_object_branches(schema)))))))),
+        options.max_recursion_depth)
     return schema if options.open_objects else close_objects(schema)
 
 
@@ -81,10 +83,24 @@ def _declare_required_here(out: dict[str, Any]) -> dict[str, Any]:
     properties = out.get("properties", {})
     if not isinstance(required, list) or not isinstance(properties, dict) or "additionalProperties" in out:
         return out
-    undeclared: dict[str, dict[str, Any]] = {name: {} for name in required if isinstance(name, str) and name not in properties}
+    patterns = out.get("patternProperties")
+    undeclared = {name: _matching_patterns(patterns if isinstance(patterns, dict) else {}, name)
+                  for name in required if isinstance(name, str) and name not in properties}
     if undeclared:
         out["properties"] = {**properties, **undeclared}
     return out
+
+
+def _matching_patterns(patterns: dict[str, Any], name: str) -> Any:
+    """What a property called ``name`` must satisfy under ``patternProperties``: every schema
+    whose pattern it matches ({} where none does, or where a pattern cannot be read here)."""
+    try:
+        matching = [sub for pattern, sub in patterns.items() if re.search(pattern, name)]
+    except re.error:
+        return {}
+    if not matching:
+        return {}
+    return matching[0] if len(matching) == 1 else {"allOf": matching}
 
 
 # Keywords that constrain only objects, and those that constrain only other types.
@@ -119,6 +135,48 @@ def _type_branches_here(root: dict[str, Any], out: dict[str, Any]) -> dict[str, 
         out["oneOf"] = [{**b, "type": "object"} if i in untyped and isinstance(b, dict) else b
                         for i, b in enumerate(branches)]
     return out
+
+
+# Keywords that constrain one type each (the others pass them).
+_ONE_TYPE_ONLY = {
+    "number": frozenset({"multipleOf", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}),
+    "string": frozenset({"minLength", "maxLength", "pattern", "format", "contentEncoding", "contentMediaType"}),
+    "array": frozenset({"items", "prefixItems", "minItems", "maxItems", "contains", "uniqueItems", "minContains",
+                        "maxContains", "unevaluatedItems"}),
+    "object": _OBJECT_ONLY,
+}
+
+
+def type_by_negation(schema: Any) -> Any:
+    """A copy of ``schema`` where an untyped schema whose ``not`` constrains only one type (its
+    keywords, and its ``anyOf`` / ``allOf`` branches', are all that type's: ``not: {anyOf:
+    [{multipleOf: 2}, {multipleOf: 5}]}``) is typed with it. Every other instance passes that
+    subschema and so fails the ``not``: no valid answer is lost, but a grammar (which cannot
+    express ``not``) no longer offers a string where only an odd number can be valid."""
+    return _bottom_up(schema, _type_by_negation_here)
+
+
+def _type_by_negation_here(out: dict[str, Any]) -> dict[str, Any]:
+    if "type" in out or "not" not in out:
+        return out
+    only = _constrains_only(out["not"])
+    return out if only is None else {**out, "type": only}
+
+
+def _constrains_only(node: Any) -> str | None:
+    """The one type that ``node`` constrains (every instance of another type is valid under
+    it); None where it constrains more than one type, or something else (a type, an enum, a
+    reference), or nothing at all."""
+    if not isinstance(node, dict):
+        return None
+    kinds: set[str | None] = set()
+    for key in set(node) - ANNOTATIONS:
+        branches = node[key]
+        if key in ("anyOf", "allOf") and isinstance(branches, list) and branches:
+            kinds.update(_constrains_only(branch) for branch in branches)
+        else:
+            kinds.add(next((kind for kind, words in _ONE_TYPE_ONLY.items() if key in words), None))
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def type_by_conditions(schema: Any) -> Any:

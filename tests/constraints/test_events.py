@@ -147,3 +147,20 @@ def test_a_list_that_keeps_repeating_itself_is_closed_before_the_repeat() -> Non
     second = validation.feed('"b"')
     assert second is not None and second.replacement == "]" and second.start == len(kept), second
     assert not second.is_string  # the ban falls on the separator's token, not inside a string
+
+
+def test_a_property_that_patterns_name_is_checked_against_each_of_their_schemas() -> None:
+    """Its value is judged where it completes (the number search needs that), against the
+    allOf of its own schema and every matching pattern's, the same object each time."""
+    from radixgen.constraints.events import resolve_subschema
+
+    root = {"type": "object", "properties": {"ab": {"maximum": 10}},
+            "patternProperties": {"a": {"type": "integer"}, "b": {"minimum": 0}, "^z": {"type": "string"}}}
+    combined: dict[tuple[int, str], Any] = {}
+    sub = resolve_subschema(root, ("ab",), combined)
+    assert sub == {"allOf": [{"maximum": 10}, {"type": "integer"}, {"minimum": 0}]}
+    assert resolve_subschema(root, ("ab",), combined) is sub
+    assert resolve_subschema(root, ("zed",)) == {"type": "string"}
+    assert resolve_subschema(root, ("other",)) is None
+    unreadable = {"type": "object", "patternProperties": {"[": {"type": "integer"}}, "properties": {"x": {"type": "string"}}}
+    assert resolve_subschema(unreadable, ("x",)) is None, "a pattern re cannot read may match: the parent decides"

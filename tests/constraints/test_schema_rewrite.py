@@ -369,3 +369,37 @@ def test_an_untyped_root_under_object_conditions_is_an_object_whose_chain_become
     for text in ('"elm"', '{"type": "package", "name": "x"}', '{"type": "package", "elm": 1}',
                  '{"type": "application", "elm": 19}', '{"type": "application", "name": "x"}', '{"type": "other"}'):
         assert accepts(text) == jsonschema.Draft7Validator(ELM).is_valid(json.loads(text)), text
+
+
+def test_a_negation_of_one_type_s_keywords_types_the_schema() -> None:
+    """Every non-number passes {anyOf: [{multipleOf: 2}, {multipleOf: 5}]} and so fails its
+    negation: the schema is typed number. A oneOf of two such branches, keywords of two types, or
+    an empty negation tell nothing of the sort; each rewrite keeps exactly the valid instances."""
+    import jsonschema
+
+    from radixgen.constraints.schema_rewrite import type_by_negation
+
+    odd = {"not": {"anyOf": [{"multipleOf": 2}, {"allOf": [{"multipleOf": 5}, {"maximum": 100}]}]}, "minimum": 1}
+    assert type_by_negation(odd) == {**odd, "type": "number"}
+    short = {"not": {"minLength": 3, "pattern": "^a"}}
+    assert type_by_negation(short)["type"] == "string"
+    for untouched in ({"not": {"oneOf": [{"multipleOf": 2}, {"multipleOf": 3}]}},
+                      {"not": {"anyOf": [{"multipleOf": 2}, {"minLength": 3}]}},
+                      {"not": {}}, {"not": {"type": "string"}}, {"type": "integer", "not": {"multipleOf": 2}}):
+        assert type_by_negation(untouched) == untouched, untouched
+    for schema in (odd, short):
+        rewritten = type_by_negation(schema)
+        for instance in (3, 4, 7.5, 120, -5, "abc", "xy", "zzzz", [], {}, None, True):
+            assert jsonschema.Draft202012Validator(schema).is_valid(instance) == \
+                jsonschema.Draft202012Validator(rewritten).is_valid(instance), (schema, instance)
+
+
+def test_a_required_property_named_by_patterns_is_declared_with_their_schemas() -> None:
+    from radixgen.constraints.schema_rewrite import declare_required
+
+    schema = {"type": "object", "required": ["ab1", "zz"],
+              "patternProperties": {"a": {"type": "integer"}, "b": {"minimum": 0}, "[": {"type": "string"}}}
+    assert declare_required(schema)["properties"] == {"ab1": {}, "zz": {}}, "an unreadable pattern: left undeclared"
+    schema["patternProperties"].pop("[")
+    assert declare_required(schema)["properties"] == {"ab1": {"allOf": [{"type": "integer"}, {"minimum": 0}]},
+                                                      "zz": {}}

@@ -307,3 +307,17 @@ def test_a_unique_list_the_model_keeps_repeating_is_closed_before_the_repeat(rea
     assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.error, out.text[-200:])
     jsonschema.validate(json.loads(out.text), schema)
     assert out.constraint is not None and out.constraint.searched_values >= 1
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", ["Handwritten---num4.json", "Handwritten---num5.json"])
+def test_a_number_only_odd_multiples_satisfy_is_found_where_the_grammar_allowed_other_types(
+        real_engine: Engine, name: str) -> None:
+    """An untyped schema whose 'not' lists multipleOf values (num4), and a required property that
+    five patternProperties name (num5): the grammar let a string or any value through, the
+    validators kept rejecting, and the answer ended in constraint_violation. Typed number and
+    checked where the value completes, the number search finds one (-26163)."""
+    schema, out = _practice_answer(real_engine, name, prompt_chars=2000)
+    assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.error, out.text[-200:])
+    jsonschema.validate(json.loads(out.text), schema)
+    assert out.constraint is not None and out.constraint.searched_values >= 1
