@@ -26,6 +26,7 @@ for themselves stops drafting (``DraftCost``).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +55,7 @@ from radixgen.staging import ReadBack, upload
 _GIVE_UP_AFTER = 24
 _GIVE_UP_BELOW = 0.2
 _OWN_RECORD_AFTER = 8  # drafted tokens after which a request's own acceptance stands for it
-_COST_SMOOTHING = 0.1  # how fast older steps fade from the step-time fit
+_COST_WINDOW = 64  # the latest steps per batch-size bucket that the step-time fit reads
 
 
 @dataclass
@@ -72,19 +73,21 @@ class Verdict:
 
 class DraftCost:
     """What a drafted position costs against what an accepted one saves, measured on this
-    engine's own steps, per batch size (rounded to a power of two): a step of B rows and E
-    drafted positions takes t(B) + E*m, fitted by least squares over recent steps (decode steps
-    are E = 0; when every row drafts, the drafts' own variation separates the two). A drafted
-    token is accepted with probability a and then saves t(B)/B of decode time, so drafting pays
-    when a > m*B/t(B), the break-even acceptance. What that is depends on the machine and the
-    model: where a step is bound by reading the weights, extra positions are nearly free; where
-    it is bound by compute (a large batch on a few cores), each costs about a row's share."""
+    engine's own steps, per batch size (rounded up to a power of two): a step of B rows and E
+    drafted positions takes a + b*B + m*E, fitted by least squares over the bucket's recent
+    steps (decode steps are E = 0). B is in the fit because the batch shrinks inside a bucket
+    while the drafts shrink with it: fitted on E alone, m would take the rows' cost as the
+    drafts'. A drafted token is accepted with probability p and then saves t(B)/B of decode time
+    (t(B) = a + b*B), so drafting pays when p > m*B/t(B), the break-even acceptance. What that
+    is depends on the machine and the model: where a step is bound by reading the weights,
+    extra positions are nearly free; where it is bound by compute (a large batch on a few
+    cores), each costs about a row's share."""
 
     def __init__(self) -> None:
-        # per bucket, exponentially weighted sums: weight, E, t, E*E, E*t
-        self._sums: dict[int, list[float]] = {}
-        self._fits: dict[int, tuple[float, float]] = {}
-        """Per bucket, the last fit the sums supported: (t(B), m). It stands while drafting is
+        self._samples: dict[int, deque[tuple[int, float, float]]] = {}
+        """Per bucket, its latest steps: (rows, drafted positions, seconds)."""
+        self._fits: dict[int, tuple[float, float, float]] = {}
+        """Per bucket, the last fit its steps supported: (a, b, m). It stands while drafting is
         off there (decode steps alone cannot separate the two again)."""
 
     @staticmethod
@@ -99,17 +102,11 @@ class DraftCost:
 
     def observe_step(self, rows: int, drafted: float, seconds: float) -> None:
         bucket = self._bucket(rows)
-        sums = self._sums.setdefault(bucket, [0.0] * 5)
-        for k, value in enumerate((1.0, drafted, seconds, drafted * drafted, drafted * seconds)):
-            sums[k] = (1 - _COST_SMOOTHING) * sums[k] + value
-        n, e, t, ee, et = sums
-        spread = n * ee - e * e
-        if spread <= 0.25 * n * n:  # the drafted counts hardly vary yet: the fit would be noise
-            return
-        per_draft = max((n * et - e * t) / spread, 0.0)
-        step = (t - per_draft * e) / n
-        if step > 0:
-            self._fits[bucket] = (step, per_draft)
+        samples = self._samples.setdefault(bucket, deque(maxlen=_COST_WINDOW))
+        samples.append((rows, drafted, seconds))
+        fit = _fit_step_time(np.array(samples, dtype=np.float64))
+        if fit is not None:
+            self._fits[bucket] = fit
 
     def measured(self, rows: int) -> bool:
         """Whether this batch size's cost has been measured (drafts have run at it)."""
@@ -121,8 +118,27 @@ class DraftCost:
         fit = self._fits.get(self._bucket(rows))
         if fit is None:
             return _GIVE_UP_BELOW
-        step, per_draft = fit
-        return min(max(per_draft * rows / step, 0.05), 0.95)
+        a, b, m = fit
+        step = a + b * rows
+        if step <= 0:
+            return _GIVE_UP_BELOW
+        return min(max(m * rows / step, 0.05), 0.95)
+
+
+def _fit_step_time(samples: np.ndarray) -> tuple[float, float, float] | None:
+    """(a, b, m) of seconds = a + b*rows + m*drafted over [n, 3] samples; None while the drafted
+    counts hardly vary apart from the rows (the fit would be noise)."""
+    if len(samples) < 3:
+        return None
+    rows, drafted, seconds = samples.T
+    varies = rows.var() > 1e-9
+    base = np.column_stack([np.ones_like(rows), rows]) if varies else np.ones((len(rows), 1))
+    residual = drafted - base @ np.linalg.lstsq(base, drafted, rcond=None)[0]
+    if residual.var() <= 0.25:
+        return None
+    coef = np.linalg.lstsq(np.column_stack([base, drafted]), seconds, rcond=None)[0]
+    a, b = (coef[0], coef[1]) if varies else (coef[0], 0.0)
+    return float(a), float(b), max(float(coef[-1]), 0.0)
 
 
 class NgramDrafter:

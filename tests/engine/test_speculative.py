@@ -71,6 +71,21 @@ def test_drafts_must_be_accepted_as_often_as_they_cost_at_the_batch_size() -> No
     assert cost.break_even(12) == pytest.approx(0.3), "12 rows share the 16-row bucket's step times"
 
 
+def test_the_cost_of_a_draft_is_told_apart_from_the_rows_that_shrink_with_it() -> None:
+    """Inside the 16-row bucket the batch shrinks from 16 to 9 rows and drafts fewer tokens as it
+    does: a step costs 5 ms + 1.5 ms a row + 0.5 ms a drafted position. Fitted on the drafted
+    positions alone, the rows' cost would be read as the drafts' (about 1.2 ms each)."""
+    from radixgen.engine.speculative import DraftCost
+
+    cost = DraftCost()
+    for rows in range(16, 8, -1):
+        for extra in (0, 3, 7):
+            drafted = 2 * rows + extra
+            cost.observe_step(rows, drafted, (5 + 1.5 * rows + 0.5 * drafted) / 1000)
+    assert cost.break_even(16) == pytest.approx(0.5 * 16 / 29)
+    assert cost.break_even(10) == pytest.approx(0.5 * 10 / 20)
+
+
 def test_measured_back_off_drafts_where_the_machine_says_it_pays() -> None:
     """speculative_max_batch None: an unmeasured batch size drafts (to be measured); a measured
     one drafts only for requests whose acceptance passes its break-even, so the same request
