@@ -89,8 +89,10 @@ class StepApplier:
         """Apply a step's sampled tokens (and a speculative step's verdicts); return the outputs
         handed to callbacks (finals always)."""
         outputs: list[RequestOutput] = []
-        if self.planner.drafter.active:
-            self.planner.drafter.cost.observe(plan, forward_s)
+        drafter = self.planner.drafter
+        if drafter.active:
+            drafting_s = drafter.last_draft_s if plan.kind is StepKind.SPECULATIVE else 0.0
+            drafter.cost.observe(plan, forward_s + drafting_s)
         num_prefill = plan.num_prefill if plan.kind.runs_as_extend else 0
         rest: list[int] = []  # the rows left to the per-request path
         token_ids: list[int] = []
@@ -109,7 +111,6 @@ class StepApplier:
         # jump-forward's extend reuses the cached sequence; without the radix cache it would
         # compute the whole sequence again, so the forced tokens are decoded (or drafted) instead
         allow_jump = self.kv.use_cache and running <= self.config.jump_forward_max_batch
-        drafter = self.planner.drafter
         extend_lens = plan.extend_lens.tolist() if rest else []
         for i in rest:
             req = plan.requests[i]

@@ -26,6 +26,7 @@ for themselves stops drafting (``DraftCost``).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -163,6 +164,9 @@ class NgramDrafter:
         linears in lower precision (``ModelRunner.full_precision_max_tokens``), and a draft
         verified there could be judged against other logits than a decode step's."""
         self._rows = 1  # the running batch at the last draft
+        self.last_draft_s = 0.0
+        """Host time the last ``draft`` took (walking each draft through its automaton is part of
+        what a drafted position costs: ``DraftCost`` counts it with the step's)."""
         self.tokenizer: Any = None
 
     @property
@@ -217,6 +221,13 @@ class NgramDrafter:
 
     def draft(self, reqs: list[Request]) -> dict[Request, list[int]]:
         """Drafts for this step's running requests (those that have one), within the budget."""
+        started = time.perf_counter()
+        try:
+            return self._draft(reqs)
+        finally:
+            self.last_draft_s = time.perf_counter() - started
+
+    def _draft(self, reqs: list[Request]) -> dict[Request, list[int]]:
         budget = self.step_budget
         if self.max_step_tokens is not None:
             budget = min(budget, self.max_step_tokens - len(reqs))
