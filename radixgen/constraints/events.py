@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from radixgen.constraints.drafts import as_2020_12, validator_class
-from radixgen.constraints.refs import deref
+from radixgen.constraints.refs import deref, pattern_schemas
 from radixgen.constraints.value_search import anchored_numbers, listed_literals, small_numbers
 from radixgen.json_lexer import CLOSE, OPEN, OUTSIDE, JsonStrings
 
@@ -245,11 +245,9 @@ _UNKNOWN = object()
 
 def _property_schema(node: dict[str, Any], name: str, combined: dict[tuple[int, str], Any] | None) -> Any:
     props = node.get("properties") or {}
-    patterns = node.get("patternProperties") or {}
-    matches = [_search(p, name) for p in patterns]
-    if None in matches:
+    matched = pattern_schemas(node.get("patternProperties") or {}, name)
+    if matched is None:
         return _UNKNOWN  # a pattern Python's re cannot read: the parent's check decides
-    matched = [sub for sub, hit in zip(patterns.values(), matches, strict=True) if hit]
     if not matched:
         return props.get(name) if name in props else node.get("additionalProperties")
     parts = ([props[name]] if name in props else []) + matched
@@ -261,14 +259,6 @@ def _property_schema(node: dict[str, Any], name: str, combined: dict[tuple[int, 
     if key not in combined:
         combined[key] = (node, {"allOf": parts})  # the node kept alive with its id
     return combined[key][1]
-
-
-def _search(pattern: str, key: str) -> bool | None:
-    """Whether ``pattern`` matches in ``key``; None where Python's re cannot read the pattern."""
-    try:
-        return re.search(pattern, key) is not None
-    except re.error:
-        return None
 
 
 def _pydantic_field_check(model: Any, name: str | int, value: Any) -> str | None:

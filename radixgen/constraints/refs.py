@@ -1,8 +1,23 @@
-"""Local ``$ref`` resolution over a schema (JSON pointers into the schema itself)."""
+"""Reading a schema's parts by name: local ``$ref`` resolution (JSON pointers into the schema
+itself), and the ``patternProperties`` subschemas a property name falls under."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+
+def pattern_schemas(patterns: dict[str, Any], name: str) -> list[Any] | None:
+    """The subschemas of ``patternProperties`` whose pattern matches (searches) in ``name``;
+    None where a pattern is one Python's re cannot read (it may match or not)."""
+    matched = []
+    for pattern, sub in patterns.items():
+        try:
+            if re.search(pattern, name):
+                matched.append(sub)
+        except re.error:
+            return None
+    return matched
 
 
 def resolve_ref(root: Any, ref: str) -> Any:

@@ -4,13 +4,12 @@ bounded and every backend reads it the same way. Validators keep the caller's ow
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from radixgen.constraints.drafts import as_2020_12
-from radixgen.constraints.refs import deref
+from radixgen.constraints.refs import deref, pattern_schemas
 
 ANNOTATIONS = frozenset({"description", "title", "default", "examples", "deprecated", "readOnly", "writeOnly",
                           "$comment"})
@@ -94,10 +93,7 @@ def _declare_required_here(out: dict[str, Any]) -> dict[str, Any]:
 def _matching_patterns(patterns: dict[str, Any], name: str) -> Any:
     """What a property called ``name`` must satisfy under ``patternProperties``: every schema
     whose pattern it matches ({} where none does, or where a pattern cannot be read here)."""
-    try:
-        matching = [sub for pattern, sub in patterns.items() if re.search(pattern, name)]
-    except re.error:
-        return {}
+    matching = pattern_schemas(patterns, name)
     if not matching:
         return {}
     return matching[0] if len(matching) == 1 else {"allOf": matching}
