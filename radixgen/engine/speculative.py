@@ -57,6 +57,7 @@ _GIVE_UP_AFTER = 24
 _GIVE_UP_BELOW = 0.2
 _OWN_RECORD_AFTER = 8  # drafted tokens after which a request's own acceptance stands for it
 _COST_WINDOW = 64  # the latest steps per batch-size bucket that the step-time fit reads
+_REFIT_AFTER = 8  # new steps in a bucket after which its standing fit is computed again
 
 
 @dataclass
@@ -90,6 +91,10 @@ class DraftCost:
         self._fits: dict[int, tuple[float, float, float]] = {}
         """Per bucket, the last fit its steps supported: (a, b, m). It stands while drafting is
         off there (decode steps alone cannot separate the two again)."""
+        self._unread: dict[int, int] = {}
+        """Per bucket, steps observed since its fit was last computed: the fit is made when asked
+        for, and once made, again only every ``_REFIT_AFTER`` steps (it moves slowly, and every
+        step asks)."""
 
     @staticmethod
     def _bucket(rows: int) -> int:
@@ -103,20 +108,27 @@ class DraftCost:
 
     def observe_step(self, rows: int, drafted: float, seconds: float) -> None:
         bucket = self._bucket(rows)
-        samples = self._samples.setdefault(bucket, deque(maxlen=_COST_WINDOW))
-        samples.append((rows, drafted, seconds))
-        fit = _fit_step_time(np.array(samples, dtype=np.float64))
-        if fit is not None:
-            self._fits[bucket] = fit
+        self._samples.setdefault(bucket, deque(maxlen=_COST_WINDOW)).append((rows, drafted, seconds))
+        self._unread[bucket] = self._unread.get(bucket, 0) + 1
+
+    def _fit(self, rows: int) -> tuple[float, float, float] | None:
+        bucket = self._bucket(rows)
+        unread = self._unread.get(bucket, 0)
+        if unread and (bucket not in self._fits or unread >= _REFIT_AFTER):
+            self._unread[bucket] = 0
+            fit = _fit_step_time(np.array(self._samples[bucket], dtype=np.float64))
+            if fit is not None:
+                self._fits[bucket] = fit
+        return self._fits.get(bucket)
 
     def measured(self, rows: int) -> bool:
         """Whether this batch size's cost has been measured (drafts have run at it)."""
-        return self._bucket(rows) in self._fits
+        return self._fit(rows) is not None
 
     def break_even(self, rows: int) -> float:
         """The acceptance a request's drafts need to pay at this batch size (a default until
         measured)."""
-        fit = self._fits.get(self._bucket(rows))
+        fit = self._fit(rows)
         if fit is None:
             return _GIVE_UP_BELOW
         a, b, m = fit
@@ -197,6 +209,11 @@ class NgramDrafter:
         if self.max_batch is not None:
             return batch <= self.max_batch
         return not self.cost.measured(batch) or self.acceptance(req) > self.cost.break_even(batch)
+
+    def _measures_back_off(self, req: Request) -> bool:
+        """Whether the request drafts only where the measured cost says it pays (auto, no cap,
+        and the request left the choice to the engine)."""
+        return self.constrained_by_default and self.max_batch is None and req.params.speculative is None
 
     def acceptance(self, req: Request) -> float:
         """How often the request's drafted tokens are accepted: its own record once it has one,
@@ -286,8 +303,7 @@ class NgramDrafter:
         self.accepted_by_source[state.draft_source] += accepted - forced
         # measured back-off decides per step (a request that does not pay in a large batch may
         # pay once the batch has shrunk); otherwise a request that does not pay stops for good
-        measured = self.constrained_by_default and self.max_batch is None and req.params.speculative is None
-        if not measured and state.drafted >= _GIVE_UP_AFTER and \
+        if not self._measures_back_off(req) and state.drafted >= _GIVE_UP_AFTER and \
                 state.accepted < self.cost.break_even(self._rows) * state.drafted:
             state.gave_up = True
 
