@@ -14,6 +14,12 @@ required properties) that every value matches twice: members that come in identi
 the value's type (a generated union of a string alias and a string, under ``type: string``), or
 members that only require properties the object requires already (``oneOf`` over ``required``
 sets beside a ``required`` that lists them all).
+
+And so is a ``oneOf`` over objects whose members only look at properties by pattern or through
+``not`` (``patternProperties``, ``not: {required}``), where two members or more accept an object
+that holds none of those properties: only an object holding a property that tells the members
+apart is valid, the grammar (which reads ``oneOf`` as ``anyOf``) does not ask for one, and the
+finished object cannot be repaired value by value.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+from radixgen.constraints.drafts import validator_class
 from radixgen.constraints.refs import deref, resolve_ref
 from radixgen.constraints.schema_rewrite import ANNOTATIONS
 from radixgen.constraints.spec import ConstraintSpec
@@ -70,6 +77,13 @@ def unenforceable(schema: Any) -> str | None:
             return (f"{where}.oneOf can never hold: a value must match exactly one of its members, and members "
                     f"{twins[0]} and {twins[1]} accept the same values{_types_note(node)}; use anyOf, or make "
                     "the members differ")
+        vacuous = _members_matched_without_a_property(schema, node)
+        if vacuous is not None:
+            return (f"{where}.oneOf needs a property that tells its members apart: members {vacuous[0]} and "
+                    f"{vacuous[1]} both accept an object without the properties they look at (such as {{}}), "
+                    "so a valid object must hold a property only some members accept, which the grammar "
+                    "backends do not enforce while generating; list that property in properties and "
+                    "required, or use anyOf")
     return None
 
 
@@ -132,6 +146,51 @@ def _one_of_without_a_single_match(root: dict[str, Any], node: dict[str, Any]) -
     if not live or -1 in twins:
         return None
     return live[0], twins[0]
+
+
+# What a member may say and still tell objects apart only by properties it does not name: by
+# pattern, or by properties it asks to be absent (``not`` over these, ``required`` included).
+_NAMELESS = ANNOTATIONS | {"type", "patternProperties", "not", "allOf", "anyOf"}
+_PROBES: tuple[Any, ...] = (0, 0.5, "", [], None, True)
+
+
+def _members_matched_without_a_property(root: dict[str, Any], node: dict[str, Any]) -> tuple[int, int] | None:
+    """Two members of ``node``'s oneOf that both accept ``{}`` where every member names no
+    property (``_NAMELESS``), and no value of another type matches exactly one member; or None."""
+    members = node.get("oneOf")
+    if (not isinstance(members, list) or len(members) < 2 or "properties" in node or "required" in node
+            or node.get("type") not in ("object", None)):
+        return None
+    resolved = [deref(root, m) for m in members]
+    if not all(_names_no_property(root, m) for m in resolved):
+        return None
+    try:
+        validator = validator_class(root)(root)
+        accepts = [validator.evolve(schema=m) for m in resolved]
+        accepting = [i for i, member in enumerate(accepts) if member.is_valid({})]
+        if len(accepting) < 2:
+            return None
+        if node.get("type") is None:  # an untyped value: a scalar or an array may match one member alone
+            rest = validator.evolve(schema={k: v for k, v in node.items() if k != "oneOf"})
+            if any(rest.is_valid(p) and sum(m.is_valid(p) for m in accepts) == 1 for p in _PROBES):
+                return None
+    except Exception:  # noqa: BLE001 - a reference the validator cannot follow offline: not judged here
+        return None
+    return accepting[0], accepting[1]
+
+
+def _names_no_property(root: dict[str, Any], member: Any, negated: bool = False, depth: int = 0) -> bool:
+    member = deref(root, member)
+    if isinstance(member, bool):
+        return True
+    if not isinstance(member, dict) or depth > 8:
+        return False
+    allowed = _NAMELESS | {"required"} if negated else _NAMELESS
+    if set(member) - allowed or member.get("type", "object") != "object":
+        return False
+    return (all(_names_no_property(root, m, negated, depth + 1)
+                for key in ("allOf", "anyOf") for m in member.get(key) or [])
+            and ("not" not in member or _names_no_property(root, member["not"], True, depth + 1)))
 
 
 def _types(node: dict[str, Any]) -> set[str] | None:

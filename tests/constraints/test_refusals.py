@@ -102,3 +102,50 @@ def test_a_one_of_over_required_sets_that_the_object_requires_already_is_refused
     assert not jsonschema.Draft7Validator(schema).is_valid({"dimensions": full})
     # the usual form, without the blanket required list, is served
     assert unenforceable({**schema, "properties": {"dimensions": {**dims, "required": []}}}) is None
+
+
+# members that look at a property only by pattern: {"a..": 70} matches the second member alone,
+# but {} (or any object without such a name) matches all three
+BY_PATTERN = {"type": "object", "maxProperties": 1,
+              "oneOf": [{"$ref": "#/definitions/x1"}, {"$ref": "#/definitions/x2"}, {"$ref": "#/definitions/x3"}],
+              "definitions": {"x1": {"patternProperties": {"a": {"multipleOf": 10, "maximum": 20}}},
+                              "x2": {"patternProperties": {"a": {"multipleOf": 5, "maximum": 80}}},
+                              "x3": {"patternProperties": {"a": {"multipleOf": 5, "maximum": 60}}}}}
+# some but not all of a, b, c: an untyped value, yet only an object can match exactly one member
+BY_ABSENCE = {"oneOf": [{"not": {"required": ["a", "b", "c"]}},
+                        {"allOf": [{"not": {"required": ["a"]}}, {"not": {"required": ["b"]}},
+                                   {"not": {"required": ["c"]}}]}]}
+
+
+@pytest.mark.parametrize(("schema", "valid", "vacuous"), [
+    (BY_PATTERN, {"ab": 70}, {"type": "object"}),
+    (BY_ABSENCE, {"a": 1}, {}),
+])
+def test_a_one_of_told_apart_only_by_a_property_the_grammar_never_asks_for_is_refused(
+        schema: Any, valid: Any, vacuous: Any) -> None:
+    """Every answer used to end in constraint_violation: the model writes an object without the
+    telling property (the schema echoed back), which every member accepts."""
+    import jsonschema
+
+    reason = unenforceable(schema)
+    assert reason is not None and reason.startswith("$.oneOf needs a property that tells its members apart"), reason
+    assert "members 0 and 1" in reason and "properties and required" in reason
+    assert jsonschema.Draft7Validator(schema).is_valid(valid)  # valid answers exist; the grammar does not lead there
+    assert not jsonschema.Draft7Validator(schema).is_valid(vacuous)
+    with pytest.raises(InvalidConstraintError, match="tells its members apart"):
+        SamplingParams(json_schema=schema)
+
+
+@pytest.mark.parametrize("schema", [
+    # a discriminator the members name: the grammar offers each member's own kind
+    {"type": "object", "oneOf": [{"properties": {"kind": {"const": "a"}}, "required": ["kind"]},
+                                 {"properties": {"kind": {"const": "b"}}, "required": ["kind"]}]},
+    # only one member accepts {}: an object without the pattern's names is valid
+    {"type": "object", "oneOf": [{"patternProperties": {"a": {"type": "number"}}}, {"not": {"type": "object"}}]},
+    # untyped: a string matches the second member alone
+    {"oneOf": [{"patternProperties": {"a": {"type": "number"}}}, {"not": {"required": ["a"]}}]},
+    # the parent names the property: the grammar writes it and its value is searched
+    {"type": "object", "required": ["a"], "oneOf": BY_PATTERN["oneOf"], "definitions": BY_PATTERN["definitions"]},
+])
+def test_a_one_of_whose_members_the_grammar_can_tell_apart_is_not_refused(schema: Any) -> None:
+    assert unenforceable(schema) is None
