@@ -11,12 +11,15 @@ Schema closely: JSON-Schema-Test-Suite 1,182 right with xgrammar alone, 1,230 wi
 alone, more with both. Tool calls go the same way: when any tool's schema (or the answer's) is
 outside the subset, the whole structure goes to llguidance. So does a root string whose patterns
 combine under not / oneOf (llguidance takes it as one lexeme: constraints/string_lark.py; one
-too large for its lexer is refused, not handed to xgrammar, which would ignore the not). A
-backend that refuses a constraint otherwise hands it to the other.
+too large for its lexer is refused, not handed to xgrammar, which would ignore the not), and so
+is a schema with a string's length bounded beside its pattern that llguidance cannot compile
+(xgrammar drops such lengths: a 10,000-character minimum came back as "m1"). A backend that
+refuses a constraint otherwise hands it to the other.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 
 from radixgen.constraints.backend import Grammar, GrammarBackend
@@ -24,7 +27,11 @@ from radixgen.constraints.drafts import as_2020_12
 from radixgen.constraints.spec import ConstraintSpec
 from radixgen.constraints.string_lark import root_string_lark
 from radixgen.constraints.structural import structural_parts, structure_of
-from radixgen.constraints.xgrammar_subset import within_xgrammar_subset
+from radixgen.constraints.xgrammar_subset import (
+    length_beside_pattern,
+    within_xgrammar_subset,
+    without_lengths_beside_patterns,
+)
 from radixgen.errors import InvalidConstraintError, UnenforceableConstraintError
 
 logger = logging.getLogger(__name__)
@@ -56,7 +63,29 @@ class AutoBackend(GrammarBackend):
             except UnenforceableConstraintError:
                 raise  # the next backend would ignore what this one could not enforce
             except InvalidConstraintError as e:
+                where = self._length_it_cannot_combine(backend, spec)
+                if where is not None:
+                    raise UnenforceableConstraintError(
+                        f"{e}; {where} bounds a string's length beside its pattern, which the other backend "
+                        "ignores: write the length into the pattern (a {m,n} repeat) or drop minLength / "
+                        "maxLength") from e
                 logger.debug("%s refused a %s: %s", backend.name, spec.kind, e)
                 first_error = first_error or e
         assert first_error is not None
         raise first_error
+
+    @staticmethod
+    def _length_it_cannot_combine(backend: GrammarBackend, spec: ConstraintSpec) -> str | None:
+        """Where ``spec``'s schema bounds a string's length beside a pattern, when that is what
+        ``backend`` (llguidance) could not compile: it compiles the schema without those lengths."""
+        if backend.name != "llguidance" or spec.kind != "json_schema":
+            return None
+        schema = as_2020_12(spec.schema())
+        where = length_beside_pattern(schema)
+        if where is None:
+            return None
+        try:
+            backend.compile(ConstraintSpec("json_schema", json.dumps(without_lengths_beside_patterns(schema))))
+        except InvalidConstraintError:
+            return None  # something else stops it too: handed on as before
+        return where

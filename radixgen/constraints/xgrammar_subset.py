@@ -47,6 +47,39 @@ def within_xgrammar_subset(schema: Any) -> bool:
     return all(within_xgrammar_subset(sub) for sub in _subschemas(schema))
 
 
+def length_beside_pattern(schema: Any, where: str = "$", depth: int = 0) -> str | None:
+    """Where ``schema`` bounds a string's length beside its pattern (what xgrammar drops), or None."""
+    if not isinstance(schema, dict) or depth > 64:
+        return None
+    if isinstance(schema.get("pattern"), str) and {"minLength", "maxLength"} & schema.keys():
+        return where
+    for key, value in schema.items():
+        if key in _DATA:
+            continue
+        if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
+            found = next((f for name, sub in value.items()
+                          if (f := length_beside_pattern(sub, f"{where}.{key}.{name}", depth + 1))), None)
+        elif isinstance(value, list):
+            found = next((f for i, sub in enumerate(value)
+                          if (f := length_beside_pattern(sub, f"{where}.{key}[{i}]", depth + 1))), None)
+        else:
+            found = length_beside_pattern(value, f"{where}.{key}", depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def without_lengths_beside_patterns(schema: Any) -> Any:
+    """A copy of ``schema`` without ``minLength`` / ``maxLength`` where a ``pattern`` stands beside them."""
+    if isinstance(schema, list):
+        return [without_lengths_beside_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    beside = isinstance(schema.get("pattern"), str)
+    return {key: value if key in _DATA else without_lengths_beside_patterns(value) for key, value in schema.items()
+            if not (beside and key in ("minLength", "maxLength"))}
+
+
 def _subschemas(schema: dict[str, Any]) -> list[Any]:
     """The schemas nested directly in ``schema`` (boolean ones left out: both readers agree on them)."""
     found: list[Any] = []

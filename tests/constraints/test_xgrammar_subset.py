@@ -74,3 +74,21 @@ def test_a_duration_closed_before_its_unit(tokenizer: Any, backend_name: str) ->
     matcher = grammar.matcher()
     closed = matcher.accept_all(tokenizer.encode('"12"', add_special_tokens=False))
     assert closed is (backend_name == "xgrammar")
+
+
+def test_a_length_beside_a_pattern_llguidance_cannot_combine_is_refused_not_loosened(tokenizer: Any) -> None:
+    """llguidance cannot intersect this pattern with a 10,000-character minimum; xgrammar, which
+    would take it next, drops lengths beside a pattern, and every answer was a short string
+    ending in constraint_violation. The schema is refused at compile, naming where and why; a
+    length llguidance can combine is still served by it."""
+    from radixgen.constraints import make_backend
+    from radixgen.constraints.spec import ConstraintSpec
+    from radixgen.errors import UnenforceableConstraintError
+
+    backend = make_backend("auto", tokenizer, 49152, [tokenizer.eos_token_id])
+    long_pairs = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^([a-z][0-9])+$",
+                                                            "minLength": 10000}}}
+    with pytest.raises(UnenforceableConstraintError, match=r"\$\.properties\.code bounds a string's length beside"):
+        backend.compile(ConstraintSpec("json_schema", json.dumps(long_pairs)))
+    short_pairs = {"type": "string", "pattern": "^([a-z][0-9])+$", "minLength": 12}
+    assert backend.compile(ConstraintSpec("json_schema", json.dumps(short_pairs))).compiled_by == "llguidance"
