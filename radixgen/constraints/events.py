@@ -222,7 +222,7 @@ def resolve_subschema(root: dict[str, Any], path: Path, combined: dict[tuple[int
     ``combined`` keeps them (callers that key on a subschema's identity pass it)."""
     node: Any = deref(root, root)
     for part in path:
-        if not isinstance(node, dict) or any(k in node for k in ("anyOf", "oneOf", "allOf", "if", "not", "$dynamicRef")):
+        if not isinstance(node, dict) or _UNDETERMINED & node.keys() or (isinstance(part, int) and "allOf" in node):
             return None
         if isinstance(part, int):
             prefix = node.get("prefixItems")
@@ -231,7 +231,7 @@ def resolve_subschema(root: dict[str, Any], path: Path, combined: dict[tuple[int
             else:
                 node = node.get("items")
         else:
-            node = _property_schema(node, part, combined)
+            node = _property_schema(root, node, part, combined)
             if node is _UNKNOWN:
                 return None
         node = deref(root, node)
@@ -241,24 +241,49 @@ def resolve_subschema(root: dict[str, Any], path: Path, combined: dict[tuple[int
 
 
 _UNKNOWN = object()
+# keywords after which the path alone no longer says what a value must satisfy
+_UNDETERMINED = frozenset({"anyOf", "oneOf", "if", "not", "$dynamicRef"})
 
 
-def _property_schema(node: dict[str, Any], name: str, combined: dict[tuple[int, str], Any] | None) -> Any:
-    props = node.get("properties") or {}
-    matched = pattern_schemas(node.get("patternProperties") or {}, name)
-    if matched is None:
-        return _UNKNOWN  # a pattern Python's re cannot read: the parent's check decides
-    if not matched:
-        return props.get(name) if name in props else node.get("additionalProperties")
-    parts = ([props[name]] if name in props else []) + matched
-    if len(parts) == 1:
-        return parts[0]
+def _property_schema(root: dict[str, Any], node: dict[str, Any], name: str,
+                     combined: dict[tuple[int, str], Any] | None) -> Any:
+    parts = _property_parts(root, node, name, 0)
+    if parts is None:
+        return _UNKNOWN
+    if len(parts) <= 1:
+        return parts[0] if parts else None
     if combined is None:
         return {"allOf": parts}
     key = (id(node), name)
     if key not in combined:
         combined[key] = (node, {"allOf": parts})  # the node kept alive with its id
     return combined[key][1]
+
+
+def _property_parts(root: dict[str, Any], node: dict[str, Any], name: str, depth: int) -> list[Any] | None:
+    """The schemas property ``name`` of an object checked against ``node`` must satisfy: its own
+    (``properties``), those of the ``patternProperties`` that match it, else
+    ``additionalProperties``; and the same from each member of ``node``'s allOf, which checks
+    the same object. None where that is not determined by the name alone."""
+    props = node.get("properties") or {}
+    matched = pattern_schemas(node.get("patternProperties") or {}, name)
+    if matched is None:
+        return None  # a pattern Python's re cannot read: the parent's check decides
+    if matched or name in props:
+        parts = ([props[name]] if name in props else []) + matched
+    else:
+        parts = [node["additionalProperties"]] if "additionalProperties" in node else []
+    for member in node.get("allOf") or []:
+        member = deref(root, member)
+        if member is True:
+            continue
+        if not isinstance(member, dict) or _UNDETERMINED & member.keys() or depth >= 8:
+            return None
+        inner = _property_parts(root, member, name, depth + 1)
+        if inner is None:
+            return None
+        parts += inner
+    return [p for p in parts if p is not True]
 
 
 def _pydantic_field_check(model: Any, name: str | int, value: Any) -> str | None:
@@ -370,7 +395,11 @@ class Validation:
             found = self.search_number(value)
             return None if found is None else json.dumps(found)
         literal = self.search_literal(value)
-        return None if literal is None else json.dumps(literal[0], ensure_ascii=False)
+        if literal is not None:
+            return json.dumps(literal[0], ensure_ascii=False)
+        # a container or a string where the path wants a number the grammar does not insist on
+        found = self.search_number(value)
+        return None if found is None else json.dumps(found)
 
     def search_literal(self, rejected: CompletedValue) -> tuple[Any] | None:
         """The first value the schema lists for ``rejected``'s path (``enum`` / ``const``, through

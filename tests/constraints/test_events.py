@@ -164,3 +164,36 @@ def test_a_property_that_patterns_name_is_checked_against_each_of_their_schemas(
     assert resolve_subschema(root, ("other",)) is None
     unreadable = {"type": "object", "patternProperties": {"[": {"type": "integer"}}, "properties": {"x": {"type": "string"}}}
     assert resolve_subschema(unreadable, ("x",)) is None, "a pattern re cannot read may match: the parent decides"
+
+
+def test_a_property_is_checked_against_what_every_allof_member_asks_of_it() -> None:
+    """allOf members check the same object: a property's value is judged where it completes
+    against each member's schema for its name (an object member's additionalProperties where
+    it names it no other way); a member that branches (anyOf) leaves it to the whole object."""
+    from radixgen.constraints.events import resolve_subschema
+
+    root = {"type": "object", "properties": {"ab": {"maximum": 10}}, "allOf": [
+        {"$ref": "#/$defs/a"}, {"patternProperties": {"b": {"minimum": 0}}}, {"additionalProperties": {"type": "integer"}}],
+        "$defs": {"a": {"patternProperties": {"a": {"type": "number"}}}}}
+    assert resolve_subschema(root, ("ab",)) == {"allOf": [{"maximum": 10}, {"type": "number"}, {"minimum": 0},
+                                                          {"type": "integer"}]}
+    assert resolve_subschema(root, ("zed",)) == {"type": "integer"}
+    branching = {**root, "allOf": [*root["allOf"], {"anyOf": [{"required": ["x"]}, {"required": ["y"]}]}]}
+    assert resolve_subschema(branching, ("ab",)) is None
+    assert resolve_subschema(root, ("ab", "x")) is None, "nothing is asked of the maximum's inside"
+
+
+def test_a_container_where_the_path_wants_a_number_is_replaced_by_one() -> None:
+    """The grammar let an array through where both members' patterns ask a number: after the
+    retries the search writes the first number the path's validators accept."""
+    from radixgen.constraints.events import SchemaValidators, Validation
+
+    schema = {"type": "object", "allOf": [{"patternProperties": {"a": {"type": "number", "minimum": 10}}},
+                                          {"patternProperties": {"l": {"type": "number", "minimum": 3}}}]}
+    validation = Validation(schema=SchemaValidators(schema))
+    rejection = None
+    for _ in range(Validation.SEARCH_AFTER):
+        validation.reset('{"all": ')
+        rejection = validation.feed('["x"]')
+        assert rejection is not None
+    assert rejection is not None and rejection.replacement == "10", rejection

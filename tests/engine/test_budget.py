@@ -321,3 +321,17 @@ def test_a_number_only_odd_multiples_satisfy_is_found_where_the_grammar_allowed_
     assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.error, out.text[-200:])
     jsonschema.validate(json.loads(out.text), schema)
     assert out.constraint is not None and out.constraint.searched_values >= 1
+
+
+@pytest.mark.real_model
+def test_a_value_that_allof_members_pattern_names_becomes_a_number_where_the_model_wrote_an_array(
+        real_engine: Engine) -> None:
+    """test.NoType: allOf of two objects whose patternProperties (not disjoint) ask numbers;
+    llguidance cannot merge them and xgrammar lets any value through. The model echoed the
+    schema, "allOf": [...]; the value was only judged with the whole object and every retry
+    wrote another array. Judged where it completes, against both members' patterns, it is
+    replaced by the first number they accept."""
+    schema, out = _practice_answer(real_engine, "Handwritten---test.NoType.json", prompt_chars=2000)
+    assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.error, out.text[-200:])
+    jsonschema.validate(json.loads(out.text), schema)
+    assert out.constraint is not None and out.constraint.searched_values >= 1
