@@ -100,8 +100,10 @@ class KVCacheManager:
     # ---- giving back --------------------------------------------------------------------
 
     def truncate(self, req: Request, computed: int) -> None:
-        """Forget ``req``'s KV from position ``computed`` on (never its cached prefix)."""
-        keep = max(computed, req.prefix_len)
+        """Forget ``req``'s KV from position ``computed`` on (never its cached prefix). A
+        ``computed`` past what was computed keeps it all: tokens appended in the step that rolls
+        back (a steered closing, a forced run) have no KV yet."""
+        keep = min(max(computed, req.prefix_len), req.num_computed)
         self.pool.slots.free(self.pool.row_slots(req.pool_row, req.num_computed)[keep:].copy())
         req.num_computed = keep
 

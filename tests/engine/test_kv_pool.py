@@ -63,3 +63,34 @@ def test_pool_shapes_and_req_to_token_write() -> None:
     assert pool.row_slots(2, 3).tolist() == slots.tolist()
     assert pool.req_to_token[2, :3].tolist() == slots.tolist(), "device view sees host writes"
     assert KVPool.bytes_per_token(30, 3, 64, torch.float32) == 2 * 30 * 3 * 64 * 4
+
+
+def test_a_rollback_past_the_computed_kv_keeps_what_was_computed() -> None:
+    """A validator rejection inside tokens appended in the same step (a steered closing, a
+    forced run) keeps more tokens than have KV: truncating there used to raise num_computed, so
+    the release put never-written slots into the tree while they were also free (dep6: 38 slots
+    owned twice, and later prompts read stale KV)."""
+    import torch
+
+    from radixgen import SamplingParams
+    from radixgen.engine.kv_cache import KVCacheManager
+    from radixgen.engine.kv_pool import KVPool
+    from radixgen.engine.request import Request
+
+    pool = KVPool(num_slots=64, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu",
+                  max_rows=2, max_context_len=32)
+    kv = KVCacheManager(pool, use_cache=True)
+    req = Request("r", [1, 2, 3, 4], SamplingParams(max_new_tokens=8), rng_seed=0)
+    kv.take_row(req, None)
+    slots, _ = kv.alloc(6)
+    assert slots is not None
+    kv.place(req, slots)
+    req.num_computed = 6  # the prompt and two output tokens have KV
+    req.output_ids = [5, 6, 7, 8, 9]  # three more appended this step, none computed yet
+    kv.truncate(req, len(req.prompt_ids) + 4 - 1)  # a rollback that keeps four output tokens
+    assert req.num_computed == 6
+    kv.truncate(req, 5)
+    assert req.num_computed == 5 and pool.available() == 64 - 5
+    kv.release(req, cache=True)
+    kv.check_invariant([])
+    assert kv.cached_tokens() == 5 and np.isin(slots[:5], kv.tree.all_slots()).all()
