@@ -63,8 +63,12 @@ class JsonScanner:
 
     def __init__(self) -> None:
         self.text = ""
-        # container frames: [kind ("{" or "["), start offset, key or index, expecting ("key"|"value"|"sep")]
+        # container frames: [kind ("{" or "["), start offset, key or index, expecting ("key"|"value"|"sep"),
+        # an object's keys so far]
         self._stack: list[list[Any]] = []
+        self.duplicate_key: CompletedValue | None = None
+        """The last key written a second time in its object (its path, and where it starts), until
+        the reader takes it: the grammar cannot keep keys it does not name apart."""
         self._scalar_start: int | None = None
         self._strings = JsonStrings()
         self._string_is_key = False
@@ -99,8 +103,11 @@ class JsonScanner:
         if kind == CLOSE:
             if self._string_is_key:
                 owner = self._stack[-1]
-                owner[2] = json.loads(self.text[self._key_start : pos + 1])
+                owner[2] = key = json.loads(self.text[self._key_start : pos + 1])
                 owner[3] = "colon"
+                if key in owner[4]:
+                    self.duplicate_key = CompletedValue(self._path(), self._key_start, pos + 1, key)
+                owner[4].add(key)
             else:
                 self._complete_scalar(pos + 1, out)
             return
@@ -139,9 +146,9 @@ class JsonScanner:
             self._close(pos, out)
             return
         if ch == "{":
-            self._stack.append(["{", pos, None, "key"])
+            self._stack.append(["{", pos, None, "key", set()])
         elif ch == "[":
-            self._stack.append(["[", pos, 0, "value"])
+            self._stack.append(["[", pos, 0, "value", None])
         elif kind == OPEN:
             self._string_is_key, self._scalar_start = False, pos
         else:
@@ -370,6 +377,10 @@ class Validation:
             if reason is not None:
                 return Rejection(value.path, value.start, reason, isinstance(value.value, str),
                                  replacement=self._replacement(value), end=value.end)
+        duplicate, self.scanner.duplicate_key = self.scanner.duplicate_key, None
+        if duplicate is not None:  # the key's own text is resampled, as a string value's is
+            return Rejection(duplicate.path, duplicate.start,
+                             f"{format_path(duplicate.path)}: the object has this key already", is_string=True)
         return None
 
     def _repeat_rejection(self, value: CompletedValue, reason: str) -> Rejection:

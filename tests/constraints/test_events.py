@@ -197,3 +197,20 @@ def test_a_container_where_the_path_wants_a_number_is_replaced_by_one() -> None:
         rejection = validation.feed('["x"]')
         assert rejection is not None
     assert rejection is not None and rejection.replacement == "10", rejection
+
+
+def test_a_key_written_twice_in_one_object_is_resampled() -> None:
+    """Under patternProperties or additionalProperties the grammar cannot keep keys apart: dep6's
+    answer reached minProperties 3 with "b" twice, and the parsed object (two keys) failed. The
+    second "b" is rejected where its text starts, the ban on the token after its quote."""
+    from radixgen.constraints.events import SchemaValidators, Validation
+
+    schema = {"type": "object", "patternProperties": {"^[a-e]$": True}, "minProperties": 3}
+    validation = Validation(schema=SchemaValidators(schema))
+    kept = '{"a": {"b": 1}, "b": ""'
+    assert validation.feed(kept) is None, "the same name in another object is no repeat"
+    rejection = validation.feed(', "b"')
+    assert rejection is not None and rejection.path == ("b",) and rejection.start == len(kept) + 2
+    assert rejection.is_string and "has this key already" in rejection.reason
+    validation.reset(kept + ", ")
+    assert validation.feed('"c": 2}', final=True) is None

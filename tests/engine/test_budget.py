@@ -335,3 +335,15 @@ def test_a_value_that_allof_members_pattern_names_becomes_a_number_where_the_mod
     assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.error, out.text[-200:])
     jsonschema.validate(json.loads(out.text), schema)
     assert out.constraint is not None and out.constraint.searched_values >= 1
+
+
+@pytest.mark.real_model
+def test_a_key_the_model_writes_twice_is_resampled_and_the_answer_closes_in_time(real_engine: Engine) -> None:
+    """dep6: any value under five one-letter names, three of them at least. The model nests
+    objects in a value until budget steering closes them, then reached three keys by writing
+    "b" twice; the parsed object had two and the answer ended in constraint_violation."""
+    schema, out = _practice_answer(real_engine, "Handwritten---dep6.json", prompt_chars=2000)
+    assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.error, out.text[-200:])
+    pairs = json.loads(out.text, object_pairs_hook=lambda kv: kv)
+    assert len({k for k, _ in pairs}) == len(pairs), out.text[-200:]
+    jsonschema.validate(json.loads(out.text), schema)
