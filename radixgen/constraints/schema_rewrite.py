@@ -36,7 +36,8 @@ def grammar_schema(schema: Any, options: GrammarOptions = DEFAULT_OPTIONS) -> An
     """What the backends compile for ``schema`` (read by its draft: ``drafts.as_2020_12``)."""
     schema = as_2020_12(schema)
     schema = limit_recursion(integral_counts(bound_numbers(declare_required(require_dependents(
-        discriminated_conditions(type_by_conditions(type_by_negation(type_object_branches(schema)))))))),
+        discriminated_conditions(type_by_conditions(type_by_members(type_by_negation(type_object_branches(
+            schema))))))))),
         options.max_recursion_depth)
     return schema if options.open_objects else close_objects(schema)
 
@@ -173,6 +174,50 @@ def _constrains_only(node: Any) -> str | None:
         else:
             kinds.add(next((kind for kind, words in _ONE_TYPE_ONLY.items() if key in words), None))
     return kinds.pop() if len(kinds) == 1 else None
+
+
+def type_by_members(schema: Any) -> Any:
+    """A copy of ``schema`` where an untyped schema with an ``allOf`` member of one type (typed
+    itself, or an ``anyOf`` / ``oneOf`` whose members all are, or one reached by a local
+    ``$ref``) is typed with it: a value of another type fails that member. No valid answer is
+    lost, but a grammar that cannot intersect the members no longer offers any value where only a
+    string under several patterns can be valid. Members of different types are left alone."""
+    if not isinstance(schema, dict):
+        return schema
+    return _bottom_up(schema, lambda node: _type_by_members_here(schema, node))
+
+
+def _type_by_members_here(root: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    members = out.get("allOf")
+    if "type" in out or not isinstance(members, list):
+        return out
+    kinds = {kind for m in members if (kind := _single_type(root, m, 0)) is not None}
+    return {**out, "type": kinds.pop()} if len(kinds) == 1 else out
+
+
+def _single_type(root: dict[str, Any], node: Any, depth: int) -> str | None:
+    """The one type every value ``node`` accepts has, where ``node`` says so; else None."""
+    node = _local_target(root, node)
+    if not isinstance(node, dict) or depth > 8:
+        return None
+    kind = node.get("type")
+    if isinstance(kind, list) and len(kind) == 1:
+        kind = kind[0]
+    if isinstance(kind, str):
+        return kind
+    for key in ("anyOf", "oneOf"):
+        branches = node.get(key)
+        if isinstance(branches, list) and branches:
+            kinds = {_single_type(root, b, depth + 1) for b in branches}
+            if len(kinds) == 1 and None not in kinds:
+                return kinds.pop()
+    if "not" in node:
+        return _constrains_only(node["not"])
+    members = node.get("allOf")
+    if isinstance(members, list):
+        kinds = {kind for m in members if (kind := _single_type(root, m, depth + 1)) is not None}
+        return kinds.pop() if len(kinds) == 1 else None
+    return None
 
 
 def type_by_conditions(schema: Any) -> Any:

@@ -12,7 +12,9 @@ derivative-based lexer evaluates them lazily, token by token.
 The string's content is kept to characters JSON writes unescaped, so the lexeme reads the
 value itself, not its escaped spelling. Only a root whose type is string is taken this way (a
 string inside an object would need the whole schema in lark); the validators still check the
-output, as for every llguidance grammar.
+output, as for every llguidance grammar. A root without a type is taken when its ``allOf``
+members let only strings through (``schema_rewrite.type_by_members``: patterns, and negated
+patterns that every other type fails).
 """
 
 from __future__ import annotations
@@ -22,17 +24,15 @@ import re
 from typing import Any
 
 from radixgen.constraints.refs import resolve_ref
+from radixgen.constraints.schema_rewrite import type_by_members, type_by_negation
 from radixgen.constraints.spec import pattern_branches
 
-_STRING_KEYWORDS = frozenset({"pattern", "minLength", "maxLength", "enum", "const", "allOf", "anyOf", "oneOf", "not",
-                              "type", "$ref"})
-_SILENT = frozenset({"$schema", "$id", "id", "title", "description", "comment", "$comment", "examples", "default",
-                     "definitions", "$defs"})
-_OTHER_TYPES = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "properties",
-                          "required", "additionalProperties", "patternProperties", "minProperties", "maxProperties",
-                          "propertyNames", "dependencies", "items", "additionalItems", "minItems", "maxItems",
-                          "uniqueItems", "contains"})
-"""Keywords of other types, which every string passes."""
+_UNMODELLED = frozenset({"format", "if", "then", "else", "$dynamicRef", "$recursiveRef", "contentEncoding",
+                         "contentMediaType", "contentSchema", "dependentSchemas", "dependentRequired", "prefixItems",
+                         "minContains", "maxContains", "unevaluatedItems", "unevaluatedProperties", "$anchor",
+                         "$dynamicAnchor", "$vocabulary"})
+"""JSON Schema keywords the lexeme does not express; any other unknown key is not a keyword (a
+folder of definitions under a name of its own) and every validator ignores it."""
 _ANY = "/(?s:.*)/"
 _NOTHING = "~/(?s:.*)/"
 _PLAIN_CONTENT = r'/[^"\\\x00-\x1f]*/'
@@ -46,7 +46,10 @@ class _Unsupported(Exception):
 def root_string_lark(schema: Any) -> str | None:
     """The lark grammar of ``schema`` when its root is a string whose constraints use ``not`` or
     ``oneOf`` (what the JSON compiler leaves out); None for every other schema."""
-    if not isinstance(schema, dict) or not _is_string_type(schema.get("type")) or not _uses_set_operations(schema):
+    if not isinstance(schema, dict) or not _uses_set_operations(schema):
+        return None
+    kind = schema["type"] if "type" in schema else type_by_members(type_by_negation(schema)).get("type")
+    if not _is_string_type(kind):  # an untyped root typed by its members (only a string passes them all)
         return None
     try:
         content = _expression(schema, schema, 0)
@@ -74,7 +77,7 @@ def _expression(node: Any, root: Any, depth: int) -> str:
         return _NOTHING
     if not isinstance(node, dict):
         raise _Unsupported("not a schema")
-    if set(node) - _STRING_KEYWORDS - _SILENT - _OTHER_TYPES:
+    if _UNMODELLED & node.keys():
         raise _Unsupported("a keyword outside the string set")
     kind = node.get("type")
     if kind is not None and not (kind == "string" or (isinstance(kind, list) and "string" in kind)):
@@ -89,7 +92,10 @@ def _expression(node: Any, root: Any, depth: int) -> str:
         parts.append(_searched(node["pattern"]))
     if "minLength" in node or "maxLength" in node:
         low, high = int(node.get("minLength", 0)), node.get("maxLength")
-        parts.append(f"/(?s:.){{{low},{'' if high is None else int(high)}}}/")
+        if high is not None and int(high) < low:
+            parts.append(_NOTHING)  # no length fits (a regex repeat {5,3} does not parse)
+        else:
+            parts.append(f"/(?s:.){{{low},{'' if high is None else int(high)}}}/")
     if "const" in node or "enum" in node:
         listed = ([node["const"]] if "const" in node else []) + list(node.get("enum") or [])
         strings = [json.dumps(v) for v in listed if isinstance(v, str)]

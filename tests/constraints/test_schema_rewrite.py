@@ -394,6 +394,34 @@ def test_a_negation_of_one_type_s_keywords_types_the_schema() -> None:
                 jsonschema.Draft202012Validator(rewritten).is_valid(instance), (schema, instance)
 
 
+def test_an_untyped_all_of_takes_the_type_of_a_member_of_one_type() -> None:
+    """A value of another type fails that member: the rewrite keeps exactly the valid instances
+    (string5's root: patterns, and an anyOf of negated patterns that only strings can pass)."""
+    import jsonschema
+
+    from radixgen.constraints.schema_rewrite import type_by_members, type_by_negation
+
+    patterns = {"allOf": [{"$ref": "#/defs/p"}, {"multipleOf": 7},
+                          {"anyOf": [{"not": {"pattern": "^a"}}, {"not": {"pattern": "b$"}}]}],
+                "defs": {"p": {"pattern": "^[ab]+$"}}}
+    assert type_by_members(type_by_negation(patterns))["type"] == "string"
+    referenced = {"allOf": [{"$ref": "#/$defs/word"}, {"minProperties": 1}],
+                  "$defs": {"word": {"type": "object", "properties": {"a": {"$ref": "#/$defs/word"}}}}}
+    assert type_by_members(referenced)["type"] == "object"
+    listed = {"allOf": [{"oneOf": [{"type": "integer", "minimum": 3}, {"type": ["integer"], "maximum": 0}]}]}
+    assert type_by_members(listed)["type"] == "integer"
+    for untouched in ({"allOf": [{"type": "string"}, {"type": "number"}]},  # nothing passes: left alone
+                      {"allOf": [{"anyOf": [{"type": "string"}, {"type": "number"}]}]},
+                      {"allOf": [{"pattern": "^a"}, {"minimum": 3}]},
+                      {"type": "string", "allOf": [{"type": "string"}]}):
+        assert type_by_members(untouched) == untouched, untouched
+    for schema in (patterns, referenced, listed):
+        rewritten = type_by_members(type_by_negation(schema))
+        for instance in ("ab", "ba", "aab", "c", 7, 14, 0, -1, 3, [], {}, {"a": {}}, None, True):
+            assert jsonschema.Draft202012Validator(schema).is_valid(instance) == \
+                jsonschema.Draft202012Validator(rewritten).is_valid(instance), (schema, instance)
+
+
 def test_a_required_property_named_by_patterns_is_declared_with_their_schemas() -> None:
     from radixgen.constraints.schema_rewrite import declare_required
 

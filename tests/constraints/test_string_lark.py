@@ -15,13 +15,19 @@ STARTS_AND_AVOIDS = {"type": "string", "allOf": [
 EXACTLY_ONE = {"type": "string", "maxLength": 4, "oneOf": [{"pattern": "^a"}, {"pattern": "b$"}]}
 DEFINED = {"type": "string", "allOf": [{"$ref": "#/definitions/digits"}, {"not": {"enum": ["000", "111"]}}],
            "definitions": {"digits": {"pattern": "^[0-9]{3}$"}}}
+# a negated length range that no length fits: it excludes nothing
+CROSSED = {"type": "string", "minLength": 2, "not": {"minLength": 5, "maxLength": 3}}
+# no type, but only a string passes the negated patterns; "defs" is a folder, not a keyword
+UNTYPED = {"allOf": [{"$ref": "#/defs/ab"}, {"multipleOf": 7}, {"anyOf": [{"not": {"pattern": "^a"}},
+                                                                        {"not": {"pattern": "b$"}}]}],
+           "defs": {"ab": {"pattern": "^[ab]+$"}}}
 
 
 @pytest.mark.parametrize("schema", [
     {"type": "string", "pattern": "^a"},  # the JSON compiler takes it as it is
     {"type": "object", "not": {"required": ["a"]}},
     {"type": "string", "not": {"format": "email"}},  # a keyword outside the string set
-    {"not": {"pattern": "a"}},  # a root that may be any type
+    {"anyOf": [{"not": {"pattern": "a"}}, {"type": "number"}]},  # a root that may be a number too
 ])
 def test_other_schemas_keep_the_json_compiler(schema: dict[str, Any]) -> None:
     assert root_string_lark(schema) is None
@@ -37,7 +43,8 @@ def llguidance_backend(tokenizer: Any) -> Any:
 @pytest.mark.parametrize(("schema", "text"), [
     (STARTS_AND_AVOIDS, "abc"), (STARTS_AND_AVOIDS, "abz"), (STARTS_AND_AVOIDS, "ca1"), (STARTS_AND_AVOIDS, "ab"),
     (STARTS_AND_AVOIDS, "bbbbbbb"), (EXACTLY_ONE, "ax"), (EXACTLY_ONE, "xb"), (EXACTLY_ONE, "ab"),
-    (EXACTLY_ONE, "xx"), (DEFINED, "123"), (DEFINED, "111"), (DEFINED, "12a"),
+    (EXACTLY_ONE, "xx"), (DEFINED, "123"), (DEFINED, "111"), (DEFINED, "12a"), (UNTYPED, "ab"), (UNTYPED, "ba"),
+    (UNTYPED, "aa"), (UNTYPED, "c"), (CROSSED, "ab"), (CROSSED, "abcd"), (CROSSED, "a"),
 ])
 def test_the_lexeme_accepts_exactly_the_schemas_strings(llguidance_backend: Any, tokenizer: Any,
                                                         schema: dict[str, Any], text: str) -> None:

@@ -347,3 +347,16 @@ def test_a_key_the_model_writes_twice_is_resampled_and_the_answer_closes_in_time
     pairs = json.loads(out.text, object_pairs_hook=lambda kv: kv)
     assert len({k for k, _ in pairs}) == len(pairs), out.text[-200:]
     jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.real_model
+def test_an_untyped_string_under_patterns_and_negated_patterns_is_written_by_the_lexeme(
+        real_engine: Engine) -> None:
+    """string5: no type, four patterns in allOf and an anyOf of negated ones. llguidance's JSON
+    compiler could not intersect them, xgrammar let any value through, and the answer ("AllOf")
+    ended in constraint_violation. Only a string passes the negations, so the root is read as
+    one llguidance lexeme, which solves the patterns."""
+    schema, out = _practice_answer(real_engine, "Handwritten---string5.json", prompt_chars=2000)
+    assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.error, out.text[-200:])
+    jsonschema.validate(json.loads(out.text), schema)
+    assert out.constraint is not None and out.constraint.backend == "llguidance"
