@@ -222,11 +222,13 @@ class SchemaValidators:
 
 
 def resolve_subschema(root: dict[str, Any], path: Path, combined: dict[tuple[int, str], Any] | None = None) -> Any:
-    """The subschema a value at ``path`` must satisfy, when the path alone determines it (None when
-    it depends on combinators like anyOf; the whole-object check still covers those). A property
-    that ``patternProperties`` patterns match must satisfy each of their subschemas and its own
-    (``properties``) one: an ``allOf`` of them, made once per object schema and name where
-    ``combined`` keeps them (callers that key on a subschema's identity pass it)."""
+    """A subschema every value at ``path`` must satisfy, read from the path alone (None where
+    nothing is known). A property must satisfy its own schema (``properties``), those of the
+    ``patternProperties`` that match it (else ``additionalProperties``), and the same from each
+    ``allOf`` member: an ``allOf`` of them, made once per object schema and name where
+    ``combined`` keeps them (callers that key on a subschema's identity pass it). What an
+    ``anyOf`` / ``oneOf`` branch, a ``not`` or an ``if`` adds depends on more than the path and
+    is left to the whole object's check; what is read here holds whichever branch is taken."""
     node: Any = deref(root, root)
     for part in path:
         if not isinstance(node, dict) or _UNDETERMINED & node.keys() or (isinstance(part, int) and "allOf" in node):
@@ -248,8 +250,8 @@ def resolve_subschema(root: dict[str, Any], path: Path, combined: dict[tuple[int
 
 
 _UNKNOWN = object()
-# keywords after which the path alone no longer says what a value must satisfy
-_UNDETERMINED = frozenset({"anyOf", "oneOf", "if", "not", "$dynamicRef"})
+# a keyword after which the path alone says nothing of what a value must satisfy
+_UNDETERMINED = frozenset({"$dynamicRef"})
 
 
 def _property_schema(root: dict[str, Any], node: dict[str, Any], name: str,
