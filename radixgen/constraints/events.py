@@ -347,7 +347,7 @@ class Validation:
         self.scanner = JsonScanner()
         self._items: dict[Path, list[str]] = {}  # array path -> its completed items (canonical JSON)
         self._rejections: dict[Path, int] = {}  # kept across rollbacks
-        self._repeats_in: dict[Path, int] = {}  # array path -> items refused as repeats (kept too)
+        self._repeats_in: dict[Path, int] = {}  # container path -> items or keys refused as repeats (kept too)
 
     settled = 0
     """Chars of the output no rejection can reach back into: none, the whole value is checked
@@ -380,25 +380,26 @@ class Validation:
                 return Rejection(value.path, value.start, reason, isinstance(value.value, str),
                                  replacement=self._replacement(value), end=value.end)
         duplicate, self.scanner.duplicate_key = self.scanner.duplicate_key, None
-        if duplicate is not None:  # the key's own text is resampled, as a string value's is
-            return Rejection(duplicate.path, duplicate.start,
-                             f"{format_path(duplicate.path)}: the object has this key already", is_string=True)
+        if duplicate is not None:
+            return self._repeat_rejection(duplicate, f"{format_path(duplicate.path)}: the object has this key already",
+                                          closer="}")
         return None
 
-    def _repeat_rejection(self, value: CompletedValue, reason: str) -> Rejection:
-        """Roll a repeated array item back; once its array has had ``SEARCH_AFTER`` repeats, close
-        the array before it instead (the separator goes, "]" is written): a model that repeats
-        itself in a uniqueItems list keeps repeating, and every retry used to be spent on it.
-        Where the automaton refuses "]" there (minItems), the item is resampled as before."""
-        array = value.path[:-1]
-        count = self._repeats_in[array] = self._repeats_in.get(array, 0) + 1
+    def _repeat_rejection(self, value: CompletedValue, reason: str, closer: str = "]") -> Rejection:
+        """Roll a repeated array item (or an object's repeated key, ``closer`` "}") back; once its
+        container has had ``SEARCH_AFTER`` repeats, close the container before it instead (the
+        separator goes, the closer is written): a model that repeats itself keeps repeating,
+        and every retry used to be spent on it. Where the automaton refuses the closer there
+        (minItems, a required property), the item or key is resampled as before."""
+        container = value.path[:-1]
+        count = self._repeats_in[container] = self._repeats_in.get(container, 0) + 1
         text = self.scanner.text
         separator = value.start - 1
         while separator >= 0 and text[separator] in " \t\r\n":
             separator -= 1
         if count < self.SEARCH_AFTER or separator < 0 or text[separator] != ",":
             return Rejection(value.path, value.start, reason, isinstance(value.value, str))
-        return Rejection(value.path, separator, reason, replacement="]")
+        return Rejection(value.path, separator, reason, replacement=closer)
 
     def _replacement(self, value: CompletedValue) -> str | None:
         count = self._rejections[value.path] = self._rejections.get(value.path, 0) + 1

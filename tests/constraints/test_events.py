@@ -216,3 +216,7 @@ def test_a_key_written_twice_in_one_object_is_resampled() -> None:
     assert rejection.is_string and "has this key already" in rejection.reason
     validation.reset(kept + ", ")
     assert validation.feed('"c": 2}', final=True) is None
+    # a model that keeps repeating the key: the second repeat closes the object before it
+    validation.reset(kept)
+    again = validation.feed(', "b"')
+    assert again is not None and again.replacement == "}" and again.start == len(kept), again
