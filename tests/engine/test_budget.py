@@ -360,3 +360,16 @@ def test_an_untyped_string_under_patterns_and_negated_patterns_is_written_by_the
     assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.error, out.text[-200:])
     jsonschema.validate(json.loads(out.text), schema)
     assert out.constraint is not None and out.constraint.backend == "llguidance"
+
+
+@pytest.mark.real_model
+def test_a_model_that_keeps_repeating_a_key_has_its_object_closed(real_engine: Engine) -> None:
+    """o4249 (a real-world schema with open objects): the model listed "issues" twice in a map
+    of names, then kept writing it again; each repeat was resampled until the retries ran out
+    and the answer ended in constraint_violation. The second repeat closes the object."""
+    schema, out = _practice_answer(real_engine, "Github_hard---o4249.json", prompt_chars=2000)
+    assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.error, out.text[-200:])
+    jsonschema.validate(json.loads(out.text), schema)
+    pairs: list[list[str]] = []
+    json.loads(out.text, object_pairs_hook=lambda kv: pairs.append([k for k, _ in kv]) or dict(kv))
+    assert all(len(keys) == len(set(keys)) for keys in pairs), "no object holds a key twice"
