@@ -411,9 +411,28 @@ class Validation:
         literal = self.search_literal(value)
         if literal is not None:
             return json.dumps(literal[0], ensure_ascii=False)
+        if not self._wants_number(value.path):
+            return None  # a string's search over numbers could only fail, ~0.1 s on the loop thread
         # a container or a string where the path wants a number the grammar does not insist on
         found = self.search_number(value)
         return None if found is None else json.dumps(found)
+
+    def _wants_number(self, path: Path) -> bool:
+        """The path's schema (or a member of its allOf) asks for a number or an integer."""
+        if self.schema is None:
+            return False
+        pending = [resolve_subschema(self.schema.root, path) if path else self.schema.root]
+        for _ in range(16):  # bounded: allOf may refer back to the root
+            if not pending:
+                break
+            node = deref(self.schema.root, pending.pop())
+            if not isinstance(node, dict):
+                continue
+            kinds = node.get("type")
+            if {"number", "integer"} & set(kinds if isinstance(kinds, list) else [kinds]):
+                return True
+            pending += node.get("allOf") or [] if isinstance(node.get("allOf"), list) else []
+        return False
 
     def search_literal(self, rejected: CompletedValue) -> tuple[Any] | None:
         """The first value the schema lists for ``rejected``'s path (``enum`` / ``const``, through
