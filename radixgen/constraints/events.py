@@ -52,6 +52,9 @@ class Rejection:
     validators the grammar cannot enforce, rejected more than once: ``Validation.search_number``)."""
     end: int = -1
     """Character offset just past the rejected value."""
+    fallback: Rejection | None = None
+    """Applied instead where the automaton refuses ``replacement`` at ``start`` (a container's
+    closer where minItems, minProperties or a required property needs more)."""
 
 
 def format_path(path: Path) -> str:
@@ -381,25 +384,27 @@ class Validation:
                                  replacement=self._replacement(value), end=value.end)
         duplicate, self.scanner.duplicate_key = self.scanner.duplicate_key, None
         if duplicate is not None:
+            # a key is written once: its repeat is the model starting over, closed at once
             return self._repeat_rejection(duplicate, f"{format_path(duplicate.path)}: the object has this key already",
-                                          closer="}")
+                                          closer="}", close_after=1)
         return None
 
-    def _repeat_rejection(self, value: CompletedValue, reason: str, closer: str = "]") -> Rejection:
+    def _repeat_rejection(self, value: CompletedValue, reason: str, closer: str = "]", close_after: int = SEARCH_AFTER) -> Rejection:
         """Roll a repeated array item (or an object's repeated key, ``closer`` "}") back; once its
-        container has had ``SEARCH_AFTER`` repeats, close the container before it instead (the
+        container has had ``close_after`` repeats, close the container before it instead (the
         separator goes, the closer is written): a model that repeats itself keeps repeating,
         and every retry used to be spent on it. Where the automaton refuses the closer there
-        (minItems, a required property), the item or key is resampled as before."""
+        (minItems, a required property), the item or key is resampled (the fallback)."""
         container = value.path[:-1]
         count = self._repeats_in[container] = self._repeats_in.get(container, 0) + 1
         text = self.scanner.text
         separator = value.start - 1
         while separator >= 0 and text[separator] in " \t\r\n":
             separator -= 1
-        if count < self.SEARCH_AFTER or separator < 0 or text[separator] != ",":
-            return Rejection(value.path, value.start, reason, isinstance(value.value, str))
-        return Rejection(value.path, separator, reason, replacement=closer)
+        resample = Rejection(value.path, value.start, reason, isinstance(value.value, str))
+        if count < close_after or separator < 0 or text[separator] != ",":
+            return resample
+        return Rejection(value.path, separator, reason, replacement=closer, fallback=resample)
 
     def _replacement(self, value: CompletedValue) -> str | None:
         count = self._rejections[value.path] = self._rejections.get(value.path, 0) + 1

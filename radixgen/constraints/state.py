@@ -42,6 +42,8 @@ class Rollback:
     token: int | None = None
     """The token to ban at ``ban_at`` where it is not in the output (one the automaton refused
     before it was appended); None: the output's own token there."""
+    fallback: Rollback | None = None
+    """Applied instead where the automaton refuses ``replacement`` after ``keep`` tokens."""
 
 
 @dataclass(frozen=True)

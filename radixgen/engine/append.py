@@ -262,6 +262,9 @@ class TokenAppender:
         if rejection.fatal:  # the caller's validator is broken: this request ends, nothing else
             req.error, req.user_error = rejection.reason, True
             return Finish(FinishReason.CONSTRAINT_VIOLATION)
+        return RollBack(self._rollback_for(req, rejection))
+
+    def _rollback_for(self, req: Request, rejection: Rejection) -> Rollback:
         # back to the value's first token; ban the token that chose its content (for a string,
         # the one after the opening quote, which the automaton forces anyway)
         state = req.constraint
@@ -277,8 +280,25 @@ class TokenAppender:
             start = state.token_text_ends[keep - 1] if keep else 0
             ending = text[rejection.end] if 0 <= rejection.end < len(text) else ""
             replacement = text[start : rejection.start] + rejection.replacement + ending
-        return RollBack(Rollback(keep, self._token_at(state, ban_char), rejection.reason, replacement,
-                                 ends_output=not rejection.path))
+        fallback = None if rejection.fallback is None else self._rollback_for(req, rejection.fallback)
+        return Rollback(keep, self._token_at(state, ban_char), rejection.reason, replacement,
+                        ends_output=not rejection.path, fallback=fallback)
+
+    def accepts_at(self, req: Request, keep: int, text: str) -> bool:
+        """Whether the automaton takes ``text`` after the first ``keep`` output tokens; the
+        matcher is left where it was."""
+        state = req.constraint
+        if self.tokenizer is None or state is None:
+            return False
+        matcher, tail = state.matcher, req.output_ids[keep:]
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        matcher.rollback(len(tail))
+        accepted = bool(ids) and matcher.accept_all(ids)
+        if accepted:
+            matcher.rollback(len(ids))
+        restored = matcher.accept_all(tail)
+        assert restored, "tokens the matcher had accepted were refused"
+        return accepted
 
     def complete_written(self, req: Request) -> bool:
         """End the output where it stands (a searched root value just written), if the automaton

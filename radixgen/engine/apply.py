@@ -344,6 +344,9 @@ class StepApplier:
         the retry bound the request ends with ``constraint_violation``."""
         state = req.constraint
         assert state is not None
+        if rollback.fallback is not None and not (
+                rollback.replacement is not None and self.appender.accepts_at(req, rollback.keep, rollback.replacement)):
+            rollback = rollback.fallback
         keep, ban_at, why = rollback.keep, rollback.ban_at, rollback.reason
         state.num_rollbacks += 1
         self.planner.remove_running(req)

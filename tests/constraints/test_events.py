@@ -201,10 +201,12 @@ def test_a_container_where_the_path_wants_a_number_is_replaced_by_one() -> None:
     assert rejection is not None and rejection.replacement == "10", rejection
 
 
-def test_a_key_written_twice_in_one_object_is_resampled() -> None:
+def test_a_key_written_twice_in_one_object_closes_it_or_is_resampled() -> None:
     """Under patternProperties or additionalProperties the grammar cannot keep keys apart: dep6's
-    answer reached minProperties 3 with "b" twice, and the parsed object (two keys) failed. The
-    second "b" is rejected where its text starts, the ban on the token after its quote."""
+    answer reached minProperties 3 with "b" twice, and the parsed object (two keys) failed. A
+    repeated key closes its object where the separator before it stands ("}" written there);
+    where the automaton refuses the closer (dep6's minProperties), the fallback resamples the
+    key: rejected where its text starts, the ban on the token after its quote."""
     from radixgen.constraints.events import SchemaValidators, Validation
 
     schema = {"type": "object", "patternProperties": {"^[a-e]$": True}, "minProperties": 3}
@@ -212,11 +214,18 @@ def test_a_key_written_twice_in_one_object_is_resampled() -> None:
     kept = '{"a": {"b": 1}, "b": ""'
     assert validation.feed(kept) is None, "the same name in another object is no repeat"
     rejection = validation.feed(', "b"')
-    assert rejection is not None and rejection.path == ("b",) and rejection.start == len(kept) + 2
-    assert rejection.is_string and "has this key already" in rejection.reason
+    assert rejection is not None and rejection.path == ("b",)
+    assert rejection.replacement == "}" and rejection.start == len(kept) and not rejection.is_string, rejection
+    assert "has this key already" in rejection.reason
+    resample = rejection.fallback
+    assert resample is not None and resample.replacement is None and resample.fallback is None
+    assert resample.start == len(kept) + 2 and resample.is_string
     validation.reset(kept + ", ")
     assert validation.feed('"c": 2}', final=True) is None
-    # a model that keeps repeating the key: the second repeat closes the object before it
-    validation.reset(kept)
-    again = validation.feed(', "b"')
-    assert again is not None and again.replacement == "}" and again.start == len(kept), again
+    # a repeat inside a nested object closes that object at its own separator
+    validation = Validation(schema=SchemaValidators(schema))
+    assert validation.feed('{"a": {"a"') is None
+    nested = validation.feed(': 1, "a"')
+    assert nested is not None and nested.replacement == "}" and nested.start == len('{"a": {"a": 1')
+    validation.reset('{"a": {')
+    assert validation.feed('"a": 1, "b": 2}, "a"') is not None, "the outer object's repeat"

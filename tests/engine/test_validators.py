@@ -191,3 +191,28 @@ def test_what_a_lenient_grammar_leaves_out_is_reported(make_engine: Callable[...
     assert out.constraint_warnings and any('"not"' in w for w in out.constraint_warnings), out.constraint_warnings
     plain = engine.generate("Animal:", SamplingParams(max_new_tokens=40, temperature=0, json_schema=SCHEMA))
     assert plain.constraint_warnings is None
+
+
+@pytest.mark.real_model
+def test_a_repeated_key_closes_its_object_unless_the_automaton_needs_more_keys(real_engine: Engine) -> None:
+    """Under patternProperties the grammar lets a key be written twice. A bias towards "," makes
+    the model start over with "a": the first repeat closes the object where the separator stood,
+    in one rollback; where minProperties makes the automaton refuse that "}", the key is
+    resampled instead (closing there would ban the separator and dead-end the object)."""
+    tokenizer = real_engine.scheduler.appender.tokenizer
+    assert tokenizer is not None
+    (comma,), (brace,) = (tokenizer.encode(t, add_special_tokens=False) for t in (",", "}"))
+    prompt = 'Repeat exactly: {"a": 1, "a": 2, "a": 3, "a": 4, "a": 5}\n'
+    keys = {"type": "object", "additionalProperties": False}
+    cases = [({**keys, "patternProperties": {"^a$": {"type": "integer"}}}, 1),
+             ({**keys, "patternProperties": {"^[ab]$": {"type": "integer"}}, "minProperties": 2}, 2)]
+    for schema, distinct in cases:
+        before = real_engine.scheduler.stats.num_rollbacks
+        out = real_engine.generate(prompt, SamplingParams(max_new_tokens=40, temperature=0, json_schema=schema,
+                                                          logit_bias={comma: 30.0, brace: -30.0}))
+        assert out.finish_reason is FinishReason.STOP, (schema, out.text, out.error)
+        pairs = json.loads(out.text, object_pairs_hook=lambda kv: kv)
+        assert len(pairs) == len({k for k, _ in pairs}) == distinct, out.text
+        jsonschema.validate(json.loads(out.text), schema)
+        if distinct == 1:
+            assert real_engine.scheduler.stats.num_rollbacks - before == 1, "closed at the first repeat"
