@@ -48,10 +48,9 @@ ShortestOutput = tuple[Completion | None, RegexCompletions | None, tuple[str, ..
 
 
 class ConstrainedDecoding:
-    def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
-                 device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         self.config, self.tokenizer, self.vocab_size = config, tokenizer, vocab_size
-        self.stop_token_ids, self.device = stop_token_ids, device
+        self.stop_token_ids = stop_token_ids
         self._service: GrammarService | None = None
         self._lock = threading.Lock()
         self._bitmask = allocate_bitmask(config.max_running_requests, vocab_size)
@@ -140,14 +139,10 @@ class ConstrainedDecoding:
             validators = self._schema_validators[key] = SchemaValidators(schema)
         return validators
 
-    def bitmask(self, plan: StepPlan) -> torch.Tensor | None:
-        """Allowed-token rows for this step's constrained requests that sample (None if none)."""
-        mask = self.host_bitmask(plan)
-        return None if mask is None else torch.from_numpy(mask).to(self.device)
-
     def host_bitmask(self, plan: StepPlan, live: np.ndarray | None = None) -> np.ndarray | None:
-        """``bitmask`` on the host [B, vocab / 32] int32 (a buffer reused by the next step);
-        ``live`` [B] bool: only those rows (the others allow everything)."""
+        """Allowed-token rows for this step's constrained requests that sample (None if none),
+        on the host [B, vocab / 32] int32 (a buffer reused by the next step); ``live`` [B]
+        bool: only those rows (the others allow everything)."""
         rows = [i for i, r in enumerate(plan.requests)
                 if r.constraint is not None and (plan.sample_mask is None or plan.sample_mask[i])
                 and (live is None or live[i])]
@@ -212,10 +207,7 @@ class ConstrainedDecoding:
             masks[row : row + m] = walked[:m]
             row += m
         positions = logits[batch : batch + total]
-        (device_masks,) = upload([masks], positions.device)
-        scores = positions.clone()
-        apply_bitmask(scores, device_masks)
-        choices = scores.argmax(dim=-1)
+        choices = mask_logits(positions.clone(), masks).argmax(dim=-1)
         top = max((plan.requests[i].params.top_logprobs for i, m in enumerate(counts) if m), default=0)
         host = ReadBack([choices, *logprob_parts(positions, choices, top)]).wait()
         choice_ids, chosen_lp, top_ids, top_lp = host
@@ -249,6 +241,17 @@ class ConstrainedDecoding:
 def automaton_failed(failure: str) -> str:
     """What a request is told when its constraint's parser fails (``Matcher.error()``)."""
     return f"the constraint's automaton failed: {failure}; simplify the constraint"
+
+
+def mask_logits(logits: torch.Tensor, masks: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """Where grammar masks act on logits, for every kind of step: the tokens row j of ``masks``
+    [rows, vocab / 32] bans get -inf in row j of ``logits``, in place (a host mask goes up
+    first). The step masks its sampled rows before penalties and bias, which keep -inf as it
+    is, and outside any CUDA graph (graph_runner.py says why); verification masks a copy of the
+    positions it checks. Returns ``logits``."""
+    device_masks = masks if isinstance(masks, torch.Tensor) else upload([masks], logits.device)[0]
+    apply_bitmask(logits, device_masks)
+    return logits
 
 
 def forced_token_ids(tokenizer: Any, forced: str) -> list[int]:

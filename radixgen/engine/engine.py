@@ -133,7 +133,7 @@ class Engine:
         self.sampling_defaults = dict(loaded.sampling_defaults)
         pool = self.runner.pool
         self.constraints = ConstrainedDecoding(self.config, self.tokenizer, self.model_config.vocab_size,
-                                               list(self.model_config.eos_token_ids), self.runner.device)
+                                               list(self.model_config.eos_token_ids))
         self.scheduler = Scheduler(self.config, pool, self.tokenizer, self.model_config.eos_token_ids,
                                    steering=self.constraints.steering)
         self.scheduler.planner.drafter.max_step_tokens = self.runner.full_precision_max_tokens

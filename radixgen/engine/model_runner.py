@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -18,7 +19,6 @@ from radixgen.host_memory import (
     release_freed_memory,
 )
 from radixgen.kernels import CpuKernels, cpu_kernels
-from radixgen.kernels.ops import apply_bitmask
 from radixgen.models import CausalLM, LoadedModel, load_model, torch_dtype
 from radixgen.models.attention import create_backend
 from radixgen.models.quantized import QuantizedLinear
@@ -65,6 +65,17 @@ def describe_weights(model: CausalLM) -> str:
         return f"dense {str(model.embed.dtype).removeprefix('torch.')}"
     bits = sorted({b for m in quantized for b in m.widths})
     return f"{'/'.join(map(str, bits))}-bit blocks ({len(quantized)} linears)"
+
+
+class Forward(NamedTuple):
+    """A step's forward on the device (``ModelRunner.forward_with``)."""
+
+    logits: torch.Tensor
+    """float32 [B + sum(verify_counts) + S, vocab] (``ModelRunner.forward``), no mask applied."""
+    uploaded: list[torch.Tensor]
+    """The caller's extra host arrays, on the device."""
+    bitmask: torch.Tensor | None
+    """``plan.bitmask`` on the device (the grammar masks known before the forward), if any."""
 
 
 DEFAULT_SMALL_LINEAR_MAX_TOKENS = 2
@@ -155,14 +166,14 @@ class ModelRunner:
         return runner, loaded
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
-        """float32 logits [B + sum(verify_counts) + S, vocab]: the last new token of every request;
-        then, per request with forced tokens to verify, the positions just before each of them;
-        then the S prompt positions of ``plan.prompt_scoring``."""
-        return self.forward_with(plan, [])[0]
+        """float32 logits [B + sum(verify_counts) + S, vocab], no grammar mask applied: the last
+        new token of every request; then, per request with forced tokens to verify, the
+        positions just before each of them; then the S prompt positions of ``plan.prompt_scoring``."""
+        return self.forward_with(plan, []).logits
 
-    def forward_with(self, plan: StepPlan, extra: list[np.ndarray]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``forward``, with ``extra`` host arrays (the sampler's) uploaded in the step's one copy:
-        (logits, those arrays on the device)."""
+    def forward_with(self, plan: StepPlan, extra: list[np.ndarray]) -> Forward:
+        """``forward``, with ``extra`` host arrays (the sampler's) and ``plan.bitmask`` uploaded in
+        the step's one copy."""
         padded = self.decode_runner.padded_size(plan)
         if padded is not None:  # a decode step the decode runner takes (CUDA graphs), padded to its bucket
             inputs = pad_decode(plan, padded)
@@ -180,16 +191,14 @@ class ModelRunner:
         masks = [] if plan.bitmask is None else [plan.bitmask]
         ids_d, positions_d, last_d, *rest = upload(
             [input_ids, positions, last, *masks, *extra, *self.attention.host_arrays(batch)], self.device)
-        bitmask = rest.pop(0) if masks else None
+        bitmask = rest.pop(0) if masks else None  # applied by the step with the other masks (constrained.mask_logits)
         extra_uploaded, attention_arrays = rest[: len(extra)], rest[len(extra) :]
         if padded is not None:
             logits = self.decode_runner.run(inputs, [ids_d, positions_d, last_d, *attention_arrays])[: plan.batch_size]
         else:
             metadata = self.attention.prepare_uploaded(batch, attention_arrays)
             logits = self.model(ids_d, positions_d, self.attention, metadata, self.pool.k, self.pool.v, last_d)
-        if bitmask is not None:  # in place, before penalties and bias, which keep -inf as it is; outside
-            apply_bitmask(logits[: plan.batch_size], bitmask)  # any CUDA graph (graph_runner.py says why)
-        return logits, extra_uploaded
+        return Forward(logits, extra_uploaded, bitmask)
 
 
 def split_prompt_scores(plan: StepPlan, logits: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:

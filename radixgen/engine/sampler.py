@@ -18,7 +18,6 @@ from radixgen.engine.plan import StepPlan
 from radixgen.engine.request import Request
 from radixgen.engine.row_params import RowParams
 from radixgen.kernels import ops  # noqa: F401  # defines torch.ops.radixgen.argmax_rows
-from radixgen.kernels.ops import apply_bitmask
 from radixgen.staging import ReadBack, upload
 
 StagedBuild = Callable[[list[torch.Tensor]], "SamplingBatch"]
@@ -348,16 +347,14 @@ class Sampler:
         self.vocab_size = vocab_size
         self.penalties = PenaltyState(num_rows, vocab_size, device)
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, bitmask: torch.Tensor | None = None) -> SampleResult:
-        """Choose one token per row of float32 ``logits`` [B, vocab] (modified in place), only
-        among the tokens ``bitmask`` [B, vocab/32] allows when given."""
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+        """Choose one token per row of float32 ``logits`` [B, vocab] (modified in place; grammar
+        masks are applied before, as -inf)."""
         self.penalties.apply(logits, batch)
         if batch.bias_index is not None:
             assert batch.bias_values is not None
             logits.index_put_(batch.bias_index, batch.bias_values, accumulate=True)
         batch.mask_early_stops(logits)
-        if bitmask is not None:
-            apply_bitmask(logits, bitmask)
         token_ids = argmax_rows(logits)
         if not batch.is_greedy.all():
             idx = batch.sampled_rows

@@ -36,7 +36,7 @@ import torch
 
 from radixgen.config import EngineConfig
 from radixgen.constraints.backend import Matcher
-from radixgen.engine.constrained import forced_token_ids, walk_masks
+from radixgen.engine.constrained import forced_token_ids, mask_logits, walk_masks
 from radixgen.engine.ngram import DraftState, NgramIndex
 from radixgen.engine.plan import StepPlan
 from radixgen.engine.request import Request
@@ -47,8 +47,7 @@ from radixgen.engine.sampler import (
     logprob_parts,
     sample_rows,
 )
-from radixgen.kernels.ops import apply_bitmask
-from radixgen.staging import ReadBack, upload
+from radixgen.staging import ReadBack
 
 # After this many drafted tokens, a request whose drafts were accepted less often than they
 # must be to pay (DraftCost.break_even; _GIVE_UP_BELOW until the engine has measured it) stops
@@ -387,12 +386,7 @@ def verify(plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch, penalties
             if top is not None:
                 device_parts += logprob_parts(first, first_choice, top)
             n = len(masks)
-            if n:
-                (device_masks,) = upload([masks], positions.device)
-                positions = positions[:n].clone()
-                apply_bitmask(positions, device_masks)
-            else:
-                positions = positions[:0]
+            positions = mask_logits(positions[:n].clone(), masks) if n else positions[:0]
         check.choices = len(device_parts)
         if positions.shape[0]:
             choices = positions.argmax(dim=-1) if greedy else _sampled(positions, batch, i, 0)

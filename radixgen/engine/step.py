@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixgen.engine.constrained import DEAD_END, ConstrainedDecoding
+from radixgen.engine.constrained import DEAD_END, ConstrainedDecoding, mask_logits
 from radixgen.engine.model_runner import ModelRunner, split_prompt_scores
 from radixgen.engine.plan import StepKind, StepPlan
 from radixgen.engine.request import Request
@@ -35,8 +35,6 @@ from radixgen.engine.sampler import Sampler, SampleResult, SamplingBatchCache
 from radixgen.engine.scheduler import Scheduler
 from radixgen.engine.speculative import Verdict
 from radixgen.engine.speculative import verify as verify_drafts
-from radixgen.kernels.ops import apply_bitmask
-from radixgen.staging import upload
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +123,7 @@ class StepPipeline:
         with torch.inference_mode():  # logits are inference tensors; sampling edits them in place
             # so are the sampler's parameters when the batch changed: one upload for the step
             staged = self.sampling_batches.stage(plan) if early_mask else None
-            logits, sampling_uploaded = self.runner.forward_with(plan, staged[0] if staged else [])
+            logits, sampling_uploaded, row_masks = self.runner.forward_with(plan, staged[0] if staged else [])
             if plan.prompt_scoring is not None:
                 logits, scores = split_prompt_scores(plan, logits)
                 _record_prompt_scores(plan, scores)
@@ -138,11 +136,16 @@ class StepPipeline:
                 if plan.verify_counts is not None:
                     logits = self.constraints.verify_forced(plan, logits)
                 sampling = staged[1](sampling_uploaded) if staged else self.sampling_batches.get(plan)
+            # the sampled rows' masks: handed over once the step before was applied (lookahead),
+            # uploaded with the inputs, or read now that verification has moved the matchers
+            masks: np.ndarray | torch.Tensor | None
             if late_mask is not None:
-                mask = late_mask.take()
-                if mask is not None:  # where the early mask goes: before penalties and bias
-                    apply_bitmask(logits[: plan.batch_size], upload([mask], logits.device)[0])
-            result = self.sampler(logits, sampling, None if early_mask else self.constraints.bitmask(plan))
+                masks = late_mask.take()
+            else:
+                masks = row_masks if early_mask else self.constraints.host_bitmask(plan)
+            if masks is not None:
+                mask_logits(logits[: plan.batch_size], masks)
+            result = self.sampler(logits, sampling)
         return StepOutcome(result, verdicts, time.perf_counter() - start)
 
     def _apply(self, plan: StepPlan, outcome: StepOutcome) -> None:
