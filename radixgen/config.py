@@ -150,7 +150,8 @@ class EngineConfig:
     auto: constrained requests draft (their answers are mostly copied or forced text); ngram:
     every request; off: none. A request's ``speculative`` overrides it either way."""
     speculative_max_draft: int = 6
-    """Most tokens one request drafts per step."""
+    """Most tokens one request drafts per step of the text its constraint forces, and as many
+    again of guessed tokens (copied or n-gram) after it."""
     speculative_max_batch: int | None = None
     """auto: requests draft only while at most this many decode. None (default): measured on
     this machine, per batch size: a request drafts where the engine's own step times say its

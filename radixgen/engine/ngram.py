@@ -60,9 +60,9 @@ class DraftState:
     draft_source: str = "ngram"
     """Where the rest came from: copied (a span of the prompt) or ngram (of the output)."""
     length: int = 2
-    """How many tokens to draft next: doubled after a draft accepted whole, otherwise one more
-    than the last draft's accepted part (a drafted position costs about a quarter of a decode
-    step here: benchmarks/bench_speculative.py)."""
+    """How many guessed tokens to draft next (forced text comes on top): doubled after a guess
+    accepted whole, otherwise one more than the last guess's accepted part (a drafted position
+    costs about a quarter of a decode step here: benchmarks/bench_speculative.py)."""
     drafted: int = 0
     accepted: int = 0
     accepted_forced: int = 0

@@ -258,14 +258,16 @@ class NgramDrafter:
             if len(req.output_ids) < req.params.min_new_tokens or not self.drafting(req, len(reqs)):
                 continue
             # the newest token and the drafts must fit the request's budget and the context
-            room = min(state.length, budget, req.tokens_left(self.max_context_len) - 1)
+            room = min(budget, req.tokens_left(self.max_context_len) - 1)
             if room <= 0:
                 continue
             tokens = _current_tokens(req, state)
             state.index.update(tokens)
             constraint = req.constraint
-            forced = self._forced(constraint.matcher, room) if constraint is not None else []
-            proposed, found_at = state.index.propose_from(tokens + forced, room - len(forced))
+            # forced text is drafted whole (the grammar writes nothing else there, so it is lost
+            # only where the model splits it into other tokens); a guess, at its adaptive length
+            forced = self._forced(constraint.matcher, min(room, self.max_draft)) if constraint is not None else []
+            proposed, found_at = state.index.propose_from(tokens + forced, min(state.length, room - len(forced)))
             draft = forced + proposed
             if draft and constraint is not None:
                 draft = _grammatical_prefix(constraint.matcher, draft)
@@ -292,11 +294,12 @@ class NgramDrafter:
         state.draft = []
         state.drafted += drafted
         state.accepted += accepted
-        if drafted:
-            state.length = min(self.max_draft, 2 * drafted) if accepted == drafted else accepted + 1
+        forced = min(accepted, state.draft_forced)
+        guessed, guessed_right = drafted - state.draft_forced, accepted - forced
+        if guessed > 0:  # the guessed part's length follows how much of it was right
+            state.length = min(self.max_draft, 2 * guessed) if guessed_right == guessed else guessed_right + 1
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
-        forced = min(accepted, state.draft_forced)
         state.accepted_forced += forced
         self.accepted_by_source["forced"] += forced
         self.accepted_by_source[state.draft_source] += accepted - forced

@@ -273,6 +273,44 @@ def test_the_text_a_constraint_forces_is_drafted(make_engine: Callable[..., Engi
     assert stats.num_decode_steps < plain.scheduler.stats.num_decode_steps
 
 
+def test_forced_text_is_drafted_whole_and_only_the_guess_follows_its_acceptance(
+        make_engine: Callable[..., Engine]) -> None:
+    """The grammar writes nothing else where it forces text, so a forced key is drafted up to
+    ``speculative_max_draft`` tokens however short the request's guesses have become; the guess
+    after it keeps its own length, set by how much of the last guess was right (a forced part
+    taken whole says nothing about the guess)."""
+    from types import SimpleNamespace
+
+    from radixgen.engine.ngram import DraftState
+
+    key = "a_rather_long_property_name_to_force"
+    schema = {"type": "object", "properties": {key: {"type": "integer"}}, "required": [key],
+              "additionalProperties": False}
+    engine = make_engine(jump_forward=False, speculative="ngram")
+    drafter, seen = engine.scheduler.planner.drafter, []
+    record = drafter.record
+
+    def recorded(req: Any, drafted: int, accepted: int) -> None:
+        assert req.speculation is not None
+        seen.append((drafted, req.speculation.draft_forced))
+        record(req, drafted, accepted)
+
+    drafter.record = recorded  # type: ignore[method-assign]
+    out = engine.generate("Number:", SamplingParams(max_new_tokens=30, temperature=0.0, json_schema=schema))
+    assert out.finish_reason.value == "stop" and key in json.loads(out.text)
+    assert seen and seen[0][1] == seen[0][0] == drafter.max_draft, seen  # the first draft: the key, at full length
+    state = DraftState(NgramIndex(3), length=4, draft_forced=3)
+    req = SimpleNamespace(speculation=state)
+    record(req, 5, 5)  # forced 3 and a guess of 2, all right: the guess doubles
+    assert state.length == 4
+    state.draft_forced = 3
+    record(req, 6, 4)  # forced 3, then one of a guess of 3 right
+    assert state.length == 2
+    state.draft_forced = 4
+    record(req, 4, 4)  # forced text only: the guess's length stands
+    assert state.length == 2
+
+
 def test_a_request_overrides_the_engine_setting_either_way(make_engine: Callable[..., Engine]) -> None:
     off = make_engine(speculative="off")
     expected = off.generate(PROMPTS[1], greedy(48)).token_ids
