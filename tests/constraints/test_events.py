@@ -229,3 +229,28 @@ def test_a_key_written_twice_in_one_object_closes_it_or_is_resampled() -> None:
     assert nested is not None and nested.replacement == "}" and nested.start == len('{"a": {"a": 1')
     validation.reset('{"a": {')
     assert validation.feed('"a": 1, "b": 2}, "a"') is not None, "the outer object's repeat"
+
+
+def test_a_key_written_without_the_keys_it_depends_on_is_taken_back_alone() -> None:
+    """o79613: a service with memswap_limit but no mem_limit failed as a whole object, and the
+    model wrote its 465 tokens again each time. Where missing dependencies are all that is
+    wrong, the rejection falls on the dependent key (resampled after its quote); any other
+    fault in the object still takes the whole object back."""
+    from radixgen.constraints.events import SchemaValidators, Validation
+
+    service = {"type": "object", "properties": {"mem_limit": {"type": "integer"}, "memswap_limit": {"type": "integer"},
+                                                "image": {"type": "string"}},
+               "dependencies": {"memswap_limit": ["mem_limit"]}, "additionalProperties": False}
+    draft4 = {"$schema": "http://json-schema.org/draft-04/schema#"}
+    for schema, prefix, path in [({**draft4, **service}, "", ()),
+                                 ({**draft4, "type": "object", "additionalProperties": service}, '{"web": ', ("web",))]:
+        validation = Validation(schema=SchemaValidators(schema))
+        kept = prefix + '{"image": "x", '
+        rejection = validation.feed(kept + '"memswap_limit": 2}')
+        assert rejection is not None and rejection.path == (*path, "memswap_limit"), (schema, rejection)
+        assert rejection.start == len(kept) and rejection.is_string and "dependency" in rejection.reason
+        validation = Validation(schema=SchemaValidators(schema))
+        whole = validation.feed(prefix + '{"image": 5, "memswap_limit": 2}')
+        assert whole is not None and whole.start == len(prefix) + len('{"image": '), whole  # the type fault first
+        validation = Validation(schema=SchemaValidators(schema))
+        assert validation.feed(prefix + '{"mem_limit": 1, "memswap_limit": 2}') is None
