@@ -417,7 +417,7 @@ class Validation:
     def _dependent_key_rejection(self, value: CompletedValue, reason: str) -> Rejection | None:
         """An object whose only fault is a key written without the keys it depends on: that key
         is taken back (the grammar may not allow the missing ones after it), resampled after its
-        quote, instead of the whole object (o79613: 465 tokens of a service, three times over)."""
+        quote, instead of the whole object, which the model tends to write out again as it was."""
         if self.schema is None or not isinstance(value.value, dict) or not value.key_starts:
             return None
         keys = [k for k in self.schema.keys_missing_their_dependencies(value.path, value.value) if k in value.key_starts]
