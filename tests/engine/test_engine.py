@@ -264,3 +264,39 @@ def test_a_failure_after_the_model_is_built_is_raised_at_once(tiny_model_dir: Pa
     while any(t.name == "radixgen-engine" and t.is_alive() and t not in running_before for t in threading.enumerate()):
         assert time.monotonic() < deadline, "the engine's loop thread is still waiting"
         time.sleep(0.05)
+
+
+def test_an_engine_whose_front_fails_to_start_raises_that_error_and_stops(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop thread is running the model when the front (constraints, scheduler, sampler) is
+    built: a failure there is raised to the caller as it is, within seconds, and the loop
+    thread ends (it once hid the error behind an AttributeError and waited forever)."""
+    from radixgen import EngineConfig
+    from radixgen.engine import engine as engine_module
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the scheduler could not be built")
+
+    monkeypatch.setattr(engine_module, "Scheduler", broken)
+    loops_before = {t for t in threading.enumerate() if t.name == "radixgen-engine"}
+    outcome: dict[str, BaseException] = {}
+
+    def start() -> None:
+        try:
+            Engine(EngineConfig(model=str(tiny_model_dir), kv_cache_tokens=1024, max_context_len=256))
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            outcome["error"] = e
+
+    starter = threading.Thread(target=start, daemon=True)
+    starter.start()
+    starter.join(timeout=60)
+    assert not starter.is_alive(), "the engine's start hung"
+    error = outcome.get("error")
+    assert isinstance(error, RuntimeError) and "could not be built" in str(error), error
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        loops = {t for t in threading.enumerate() if t.name == "radixgen-engine"} - loops_before
+        if not any(t.is_alive() for t in loops):
+            break
+        time.sleep(0.05)
+    assert not any(t.is_alive() for t in loops), "the loop thread kept running"
