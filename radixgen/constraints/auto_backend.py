@@ -13,8 +13,9 @@ outside the subset, the whole structure goes to llguidance. So does a root strin
 combine under not / oneOf (llguidance takes it as one lexeme: constraints/string_lark.py; one
 too large for its lexer is refused, not handed to xgrammar, which would ignore the not), and so
 is a schema with a string's length bounded beside its pattern that llguidance cannot compile
-(xgrammar drops such lengths: a 10,000-character minimum came back as "m1"). A backend that
-refuses a constraint otherwise hands it to the other.
+(xgrammar drops such lengths: a 10,000-character minimum came back as "m1"), and so is an allOf
+over two recursive definitions that llguidance cannot compile (xgrammar does not intersect them).
+A backend that refuses a constraint otherwise hands it to the other.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 
 from radixgen.constraints.backend import Grammar, GrammarBackend
 from radixgen.constraints.drafts import as_2020_12
+from radixgen.constraints.refusals import intersected_recursions
 from radixgen.constraints.spec import ConstraintSpec
 from radixgen.constraints.string_lark import root_string_lark
 from radixgen.constraints.structural import structural_parts, structure_of
@@ -69,10 +71,27 @@ class AutoBackend(GrammarBackend):
                         f"{e}; {where} bounds a string's length beside its pattern, which the other backend "
                         "ignores: write the length into the pattern (a {m,n} repeat) or drop minLength / "
                         "maxLength") from e
+                intersection = self._recursions_it_cannot_intersect(backend, spec)
+                if intersection is not None:
+                    where, refs = intersection
+                    raise UnenforceableConstraintError(
+                        f"{e}; {where}.allOf intersects the recursive definitions {refs[0]} and {refs[1]}, which "
+                        f"llguidance unrolls {backend.options.max_recursion_depth} levels deep and the other "
+                        "backend does not intersect, so no answer could be checked while it is written: merge "
+                        "them into one definition, or drop the allOf") from e
                 logger.debug("%s refused a %s: %s", backend.name, spec.kind, e)
                 first_error = first_error or e
         assert first_error is not None
         raise first_error
+
+    @staticmethod
+    def _recursions_it_cannot_intersect(backend: GrammarBackend, spec: ConstraintSpec) -> tuple[str, list[str]] | None:
+        """Where ``spec``'s schema intersects recursive definitions under allOf, when llguidance
+        could not compile it: xgrammar, next, would let through anything the intersection forbids
+        (a puzzle that asks for a nesting depth divisible by 2, 3 and 5 came back as ``{"allOf": []}``)."""
+        if backend.name != "llguidance" or spec.kind != "json_schema":
+            return None
+        return intersected_recursions(as_2020_12(spec.schema()))
 
     @staticmethod
     def _length_it_cannot_combine(backend: GrammarBackend, spec: ConstraintSpec) -> str | None:

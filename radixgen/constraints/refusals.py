@@ -235,6 +235,39 @@ def _pinned(root: dict[str, Any], node: Any, depth: int = 0) -> bool:
     return "const" in node or "enum" in node or any(_pinned(root, m, depth + 1) for m in node.get("allOf") or [])
 
 
+def intersected_recursions(root: Any) -> tuple[str, list[str]] | None:
+    """Where an ``allOf`` intersects two or more recursive definitions (``$ref`` targets that
+    lead back to themselves), and those references; None when no allOf does. llguidance
+    intersects them by unrolling each recursion a fixed depth, which can leave nothing to
+    generate, and xgrammar does not intersect at all."""
+    if not isinstance(root, dict):
+        return None
+    for where, node in reachable(root):
+        members = node.get("allOf")
+        refs = [m["$ref"] for m in members if isinstance(m, dict) and isinstance(m.get("$ref"), str)] \
+            if isinstance(members, list) else []
+        recursive = [ref for ref in refs if _refers_back(root, ref)]
+        if len(recursive) >= 2:
+            return where, recursive
+    return None
+
+
+def _refers_back(root: dict[str, Any], ref: str) -> bool:
+    """Whether the local reference ``ref`` reaches itself again through its target's references."""
+    pending, followed = [resolve_ref(root, ref)], set()
+    while pending:
+        for _, sub in _keyword_subschemas(pending.pop(), ""):
+            inner = sub.get("$ref")
+            if not (isinstance(inner, str) and inner.startswith("#")):
+                continue
+            if inner == ref:
+                return True
+            if inner not in followed:
+                followed.add(inner)
+                pending.append(resolve_ref(root, inner))
+    return False
+
+
 def reachable(root: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
     """Every schema object a value can be checked against: ``root``, the subschemas in its
     keyword positions (a property called "contains" is not the keyword) and the local

@@ -92,3 +92,35 @@ def test_a_length_beside_a_pattern_llguidance_cannot_combine_is_refused_not_loos
         backend.compile(ConstraintSpec("json_schema", json.dumps(long_pairs)))
     short_pairs = {"type": "string", "pattern": "^([a-z][0-9])+$", "minLength": 12}
     assert backend.compile(ConstraintSpec("json_schema", json.dumps(short_pairs))).compiled_by == "llguidance"
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/definitions/{name}"}
+
+
+def test_an_intersection_of_recursions_llguidance_cannot_unroll_is_refused_not_loosened(tokenizer: Any) -> None:
+    """An allOf over recursive definitions whose only answers nest 10 deep (a depth divisible by
+    2 and by 5): llguidance, unrolling 8 levels, finds nothing to generate, and xgrammar, next,
+    ignored the allOf (the answer was ``{"allOf": []}``, ending in constraint_violation). It is
+    refused at compile, naming the allOf and the definitions; an allOf over one recursive
+    definition and a plain schema is still served."""
+    from radixgen.constraints import make_backend
+    from radixgen.constraints.spec import ConstraintSpec
+    from radixgen.errors import UnenforceableConstraintError
+
+    backend = make_backend("auto", tokenizer, 49152, [tokenizer.eos_token_id])
+    cycle_of = {2: ["x0", "x1"], 5: ["y0", "y1", "y2", "y3", "y4"]}
+    definitions: dict[str, Any] = {
+        "word": {"type": "object", "properties": {"a": _ref("word")}, "additionalProperties": False}}
+    for names in cycle_of.values():
+        for i, name in enumerate(names):
+            definitions[name] = {"additionalProperties": _ref(names[(i + 1) % len(names)])}
+            if i < len(names) - 1:
+                definitions[name]["minProperties"] = 1
+    puzzle = {"allOf": [_ref("word"), _ref("x0"), _ref("y0")], "definitions": definitions}
+    with pytest.raises(UnenforceableConstraintError,
+                       match=r"\$\.allOf intersects the recursive definitions #/definitions/word and #/definitions/x0"):
+        backend.compile(ConstraintSpec("json_schema", json.dumps(puzzle)))
+    tree = {"allOf": [_ref("node"), {"required": ["name"]}], "definitions": {"node": {
+        "type": "object", "properties": {"name": {"type": "string"}, "kids": {"type": "array", "items": _ref("node")}}}}}
+    assert backend.compile(ConstraintSpec("json_schema", json.dumps(tree))).compiled_by == "llguidance"
