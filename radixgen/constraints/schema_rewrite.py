@@ -37,9 +37,47 @@ def grammar_schema(schema: Any, options: GrammarOptions = DEFAULT_OPTIONS) -> An
     schema = as_2020_12(schema)
     schema = limit_recursion(integral_counts(bound_numbers(declare_required(require_dependents(
         discriminated_conditions(type_by_conditions(type_by_members(type_by_negation(type_object_branches(
-            schema))))))))),
+            literals_of_their_type(schema)))))))))),
         options.max_recursion_depth)
     return schema if options.open_objects else close_objects(schema)
+
+
+def literals_of_their_type(schema: Any) -> Any:
+    """A copy of ``schema`` whose ``enum`` lists keep only the members of the sibling ``type``;
+    a node whose ``enum`` or ``const`` is left with none accepts nothing and becomes ``false``
+    (an optional property that is false is dropped, a required one makes its object false).
+    Backends write an enum's members whatever the type says, so ``"type": "object"`` beside
+    string members gave an answer no retry could repair."""
+    return _bottom_up(schema, _literals_of_their_type_here)
+
+
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer()),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+}
+
+
+def _literals_of_their_type_here(out: dict[str, Any]) -> Any:
+    types = out.get("type")
+    types = [types] if isinstance(types, str) else types
+    if isinstance(types, list) and types and all(t in _JSON_TYPES for t in types):
+        def typed(value: Any) -> bool:
+            return any(_JSON_TYPES[t](value) for t in types)
+
+        if "const" in out and not typed(out["const"]):
+            return False
+        if isinstance(out.get("enum"), list):
+            kept = [member for member in out["enum"] if typed(member)]
+            if not kept:
+                return False
+            if len(kept) < len(out["enum"]):
+                out["enum"] = kept
+    return _drop_false(out)
 
 
 def require_dependents(schema: Any) -> Any:

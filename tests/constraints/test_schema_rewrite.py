@@ -431,3 +431,23 @@ def test_a_required_property_named_by_patterns_is_declared_with_their_schemas() 
     schema["patternProperties"].pop("[")
     assert declare_required(schema)["properties"] == {"ab1": {"allOf": [{"type": "integer"}, {"minimum": 0}]},
                                                       "zz": {}}
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_literals_outside_their_type_are_never_written(tokenizer: Any, backend: str) -> None:
+    """A real schema typed a property ``object`` beside string enum members: the backends wrote
+    a member, the validator rejected it, and every retry wrote one again (constraint_violation at
+    temperature 0.7). Members outside the type are dropped; a property left with none is not
+    generated; a required one leaves the object with no answer."""
+    engine = make_backend(backend, tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    schema = {"type": "object", "properties": {
+        "builtin": {"enum": ["MODIFIABLE", "DELETABLE"], "type": "object"},
+        "mode": {"type": ["string", "null"], "enum": ["fast", 1, None, True]},
+        "count": {"type": "integer"}}}
+    grammar = engine.compile(schema_spec(schema))
+    assert _accepts(grammar, tokenizer, '{"mode": null, "count": 1}')
+    assert _accepts(grammar, tokenizer, '{"mode": "fast"}')
+    for outside in ('{"builtin": "MODIFIABLE"}', '{"mode": 1}', '{"mode": true}'):
+        assert not _accepts(grammar, tokenizer, outside), outside
+    assert grammar_schema({"type": "object", "properties": {"k": {"const": "X", "type": "object"}},
+                           "required": ["k"]}) is False
