@@ -26,6 +26,7 @@ import logging
 from radixgen.constraints.backend import Grammar, GrammarBackend
 from radixgen.constraints.drafts import as_2020_12
 from radixgen.constraints.refusals import intersected_recursions
+from radixgen.constraints.schema_rewrite import pinned_literals
 from radixgen.constraints.spec import ConstraintSpec
 from radixgen.constraints.string_lark import root_string_lark
 from radixgen.constraints.structural import structural_parts, structure_of
@@ -52,8 +53,11 @@ class AutoBackend(GrammarBackend):
         order = ["xgrammar", "llguidance"]
         schemas = ([spec.schema()] if spec.kind == "json_schema" else
                    [schema for _, schema in structural_parts(structure_of(spec))] if spec.kind == "structural" else [])
-        if not all(within_xgrammar_subset(as_2020_12(schema)) for schema in schemas) or (
-                spec.kind == "json_schema" and root_string_lark(spec.schema()) is not None):
+        # a root pinned to scalar literals: xgrammar writes each as JSON spells it (llguidance
+        # wrote 1e+308 as a 309-digit integer), whatever else the schema says beside them
+        literal_root = spec.kind == "json_schema" and _pinned_to_scalars(spec.schema())
+        if not literal_root and (not all(within_xgrammar_subset(as_2020_12(schema)) for schema in schemas) or (
+                spec.kind == "json_schema" and root_string_lark(spec.schema()) is not None)):
             order.reverse()
         return [self.backends[name] for name in order if name in self.backends]
 
@@ -108,3 +112,9 @@ class AutoBackend(GrammarBackend):
         except InvalidConstraintError:
             return None  # something else stops it too: handed on as before
         return where
+
+
+def _pinned_to_scalars(schema: object) -> bool:
+    pinned = pinned_literals(schema)
+    return pinned is not schema and isinstance(pinned, dict) and not any(
+        isinstance(value, (dict, list)) for value in pinned["enum"])

@@ -8,8 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from radixgen.constraints.drafts import as_2020_12
+from radixgen.constraints.drafts import as_2020_12, validator_class
 from radixgen.constraints.refs import deref, pattern_schemas
+from radixgen.errors import InvalidConstraintError
 
 ANNOTATIONS = frozenset({"description", "title", "default", "examples", "deprecated", "readOnly", "writeOnly",
                           "$comment"})
@@ -33,13 +34,51 @@ DEFAULT_OPTIONS = GrammarOptions()
 
 
 def grammar_schema(schema: Any, options: GrammarOptions = DEFAULT_OPTIONS) -> Any:
-    """What the backends compile for ``schema`` (read by its draft: ``drafts.as_2020_12``)."""
-    schema = as_2020_12(schema)
+    """What the backends compile for ``schema`` (read by its draft: ``drafts.as_2020_12``);
+    InvalidConstraintError where its literals leave no value."""
+    schema = literals_of_their_type(as_2020_12(pinned_literals(schema)))
+    if schema is False:
+        raise InvalidConstraintError(
+            "no value satisfies the json schema: it is false, or an enum / const offers no value that meets the "
+            "type and the other keywords beside it (there or in a required property); fix the literals or the type")
     schema = limit_recursion(integral_counts(bound_numbers(declare_required(require_dependents(
         discriminated_conditions(type_by_conditions(type_by_members(type_by_negation(type_object_branches(
-            literals_of_their_type(schema)))))))))),
+            schema))))))))),
         options.max_recursion_depth)
     return schema if options.open_objects else close_objects(schema)
+
+
+def pinned_literals(schema: Any) -> Any:
+    """``{"enum": [...]}`` of the literals a schema pins its root to (``enum`` / ``const`` at the
+    root or in a member of its ``allOf``) that the whole schema accepts, ``false`` when it accepts
+    none of them; any other schema unchanged. The grammar then writes each literal as the schema
+    spells it, whatever else the schema says: llguidance wrote ``1e+308`` as a 309-digit integer,
+    which is not equal to the float, and keywords beside the literals (``not``) sent the schema
+    to it."""
+    literals = _listed_literals(schema, schema)
+    if literals is None:
+        return schema
+    try:
+        validator = validator_class(schema)(schema, format_checker=validator_class(schema).FORMAT_CHECKER)
+        kept = [value for value in literals if validator.is_valid(value)]
+    except Exception:  # noqa: BLE001 - a reference the validator cannot follow offline: left to the backends
+        return schema
+    return {"enum": kept} if kept else False
+
+
+def _listed_literals(root: Any, node: Any, depth: int = 0) -> list[Any] | None:
+    node = deref(root, node)
+    if not isinstance(node, dict) or depth > 8:  # bounded: allOf may refer back to the root
+        return None
+    if "const" in node:
+        return [node["const"]]
+    if isinstance(node.get("enum"), list):
+        return list(node["enum"])
+    for member in node.get("allOf") or [] if isinstance(node.get("allOf"), list) else []:
+        found = _listed_literals(root, member, depth + 1)
+        if found is not None:
+            return found
+    return None
 
 
 def literals_of_their_type(schema: Any) -> Any:

@@ -22,6 +22,7 @@ from radixgen.constraints.schema_rewrite import (
 from radixgen.constraints.spec import regex_spec, schema_spec
 from radixgen.constraints.structural import structural_spec
 from radixgen.constraints.xgrammar_subset import within_xgrammar_subset
+from radixgen.errors import InvalidConstraintError
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
 
@@ -449,5 +450,22 @@ def test_literals_outside_their_type_are_never_written(tokenizer: Any, backend: 
     assert _accepts(grammar, tokenizer, '{"mode": "fast"}')
     for outside in ('{"builtin": "MODIFIABLE"}', '{"mode": 1}', '{"mode": true}'):
         assert not _accepts(grammar, tokenizer, outside), outside
-    assert grammar_schema({"type": "object", "properties": {"k": {"const": "X", "type": "object"}},
-                           "required": ["k"]}) is False
+    with pytest.raises(InvalidConstraintError, match="no value satisfies the json schema"):
+        engine.compile(schema_spec({"type": "object", "properties": {"k": {"const": "X", "type": "object"}},
+                                    "required": ["k"]}))
+
+
+@pytest.mark.parametrize("backend", ["auto", "xgrammar", "llguidance"])
+def test_a_root_pinned_to_literals_writes_those_its_other_keywords_accept(tokenizer: Any, backend: str) -> None:
+    """The practice schema ``allOf: [{enum: [1e+308]}, {not: ...}]``: llguidance (which the not
+    chose) wrote the literal as a 309-digit integer, unequal to the float, and every answer ended
+    in constraint_violation. A root pinned by enum / const compiles as the literals the whole
+    schema accepts, which auto sends to xgrammar; none accepted is refused at compile."""
+    engine = make_backend(backend, tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    letters = engine.compile(schema_spec({"enum": ["a", "b", "c"], "not": {"const": "b"}}))
+    assert _accepts(letters, tokenizer, '"a"') and _accepts(letters, tokenizer, '"c"')
+    assert not _accepts(letters, tokenizer, '"b"')
+    huge = engine.compile(schema_spec({"allOf": [{"enum": [1e308]}, {"not": {"type": "string"}}]}))
+    assert _accepts(huge, tokenizer, "1e+308") is (backend != "llguidance")
+    with pytest.raises(InvalidConstraintError, match="no value satisfies"):
+        engine.compile(schema_spec({"const": 3, "type": "string"}))
