@@ -410,15 +410,41 @@ def _fold_required_here(out: dict[str, Any]) -> dict[str, Any]:
     shared = {k: v for k, v in out.items() if k in _OBJECT_ONLY}
     if "properties" not in shared or out.get("type") not in ("object", None):
         return out
+    base = [r for r in shared.get("required", []) if isinstance(r, str)] if isinstance(shared.get("required"), list) else []
     for keyword in ("anyOf", "oneOf"):
         members = out.get(keyword)
-        if not (isinstance(members, list) and members and all(_only_requires(m) for m in members)):
+        presence = [_presence(m) for m in members] if isinstance(members, list) else []
+        if not presence or None in presence:
             continue
-        base = [r for r in shared.get("required", []) if isinstance(r, str)] if isinstance(shared.get("required"), list) else []
-        out[keyword] = [{**shared, "type": "object",
-                         "required": [*base, *(r for r in m["required"] if isinstance(r, str) and r not in base)]}
-                        for m in members]
+        folded = []
+        for required, absent in (p for p in presence if p is not None):
+            branch = {**shared, "type": "object", "required": [*base, *(r for r in required if r not in base)]}
+            if absent and shared.get("additionalProperties") is False:  # closed: absent = undeclared
+                branch["properties"] = {k: v for k, v in shared["properties"].items() if k not in absent}
+            folded.append(branch)
+        if not any(set(branch["required"]) - branch["properties"].keys() for branch in folded):
+            out[keyword] = folded
     return out
+
+
+def _presence(member: Any, depth: int = 0) -> tuple[list[str], list[str]] | None:
+    """(names required, names required absent) of a branch that only says which properties an
+    object holds: ``required``, ``not: {required: [one name]}``, and ``allOf`` of those; None
+    for any other branch."""
+    if _only_requires(member):
+        return [r for r in member["required"] if isinstance(r, str)], []
+    if not isinstance(member, dict) or depth > 4:
+        return None
+    keys = set(member) - ANNOTATIONS - ({"type"} if member.get("type") == "object" else set())
+    negated: Any = member.get("not")
+    if keys == {"not"} and _only_requires(negated) and len(names := negated["required"]) == 1 and isinstance(
+            names[0], str):
+        return [], [names[0]]
+    if keys == {"allOf"} and isinstance(member["allOf"], list):
+        parts = [_presence(m, depth + 1) for m in member["allOf"]]
+        if parts and None not in parts:
+            return ([name for p in parts if p for name in p[0]], [name for p in parts if p for name in p[1]])
+    return None
 
 
 def _only_requires(member: Any) -> bool:

@@ -14,6 +14,7 @@ from radixgen.constraints.auto_backend import AutoBackend
 from radixgen.constraints.schema_rewrite import (
     GrammarOptions,
     close_objects,
+    fold_required_branches,
     grammar_schema,
     limit_recursion,
     require_dependents,
@@ -287,8 +288,6 @@ def test_required_only_branches_carry_the_objects_own_keywords(tokenizer: Any, b
     through, which the validators then refused at every retry."""
     import jsonschema
 
-    from radixgen.constraints.schema_rewrite import fold_required_branches
-
     branches = fold_required_branches(WEBHOOK)["anyOf"]
     assert [b["required"] for b in branches] == [["content"], ["embeds"]]
     assert all(b["additionalProperties"] is False and b["properties"] == WEBHOOK["properties"] for b in branches)
@@ -301,6 +300,31 @@ def test_required_only_branches_carry_the_objects_own_keywords(tokenizer: Any, b
     for text in ('{"content": "hi", "description": "x"}', '{"content": "hi", "tts": true}', '{"tts": true}',
                  '{"embeds": ["a"]}'):
         assert accepts(text) == jsonschema.Draft7Validator(WEBHOOK).is_valid(json.loads(text)), text
+
+
+DATA_ELEMENT = {"type": "object", "oneOf": [
+    {"required": ["code", "usages"]},
+    {"allOf": [{"not": {"required": ["usages"]}}, {"required": ["code", "format"]}]}],
+    "properties": {"code": {"type": "integer"}, "format": {"type": "string"}, "usages": {"type": "array"}},
+    "additionalProperties": False}
+
+
+def test_branches_that_only_say_which_properties_are_present_or_absent_are_folded() -> None:
+    """The second branch of a real schema's oneOf (allOf of not-required and required) kept
+    xgrammar from folding the object's keywords into the branches; it read that branch as any
+    object and wrote "code": "custom" where code is an integer (constraint_violation at
+    temperature 0.7). Such a branch folds too, without the property it requires absent."""
+    import jsonschema
+
+    branches = fold_required_branches(grammar_schema(DATA_ELEMENT))["oneOf"]
+    assert [b["required"] for b in branches] == [["code", "usages"], ["code", "format"]]
+    assert "usages" in branches[0]["properties"] and "usages" not in branches[1]["properties"]
+    assert branches[1]["properties"]["code"]["type"] == "integer"
+    for text in ('{"code": 1, "format": "x"}', '{"code": 1, "usages": []}', '{"code": 1, "format": "x", "usages": []}',
+                 '{"code": "custom", "format": "x"}', '{"format": "x"}'):
+        instance = json.loads(text)
+        accepted = [jsonschema.Draft7Validator(b).is_valid(instance) for b in branches]
+        assert any(accepted) == jsonschema.Draft7Validator(DATA_ELEMENT).is_valid(instance), text
 
 
 TARGET_SIZE = {"type": "object", "properties": {"type": {"enum": ["fixed", "maxAvailable"]}}, "required": ["type"],
