@@ -194,7 +194,9 @@ def type_object_branches(schema: Any) -> Any:
     ``object``. Such a branch lets every non-object through, so with two of them any string or
     number passes two branches and fails the ``oneOf``: no valid answer is lost, but a grammar
     (which reads ``oneOf`` as ``anyOf``) no longer offers "" for a material that must be one of
-    three object shapes. Branches are read through local ``$ref``s."""
+    three object shapes. The same for two or more branches of array keywords only (``items``:
+    a string passed three of them), of string keywords, or of number keywords. Branches are
+    read through local ``$ref``s."""
     if not isinstance(schema, dict):
         return schema
     return _bottom_up(schema, lambda node: _type_branches_here(schema, node))
@@ -204,11 +206,22 @@ def _type_branches_here(root: dict[str, Any], out: dict[str, Any]) -> dict[str, 
     branches = out.get("oneOf")
     if not isinstance(branches, list):
         return out
-    untyped = [i for i, b in enumerate(branches) if _only_object_keywords(_local_target(root, b))]
-    if len(untyped) >= 2:
-        out["oneOf"] = [{**b, "type": "object"} if i in untyped and isinstance(b, dict) else b
+    for kind in _ONE_TYPE_ONLY:
+        untyped = [i for i, b in enumerate(branches) if _only_keywords_of(kind, _local_target(root, b))]
+        if len(untyped) >= 2:
+            branches = [{**b, "type": kind} if i in untyped and isinstance(b, dict) else b
                         for i, b in enumerate(branches)]
+    out["oneOf"] = branches
     return out
+
+
+def _only_keywords_of(kind: str, node: Any) -> bool:
+    """A branch that says nothing but ``kind``'s keywords (and no ``type``): every value of
+    another type passes it."""
+    if kind == "object":
+        return _only_object_keywords(node)
+    keys = set(node) - ANNOTATIONS if isinstance(node, dict) else set()
+    return bool(keys) and keys <= _ONE_TYPE_ONLY[kind]
 
 
 # Keywords that constrain one type each (the others pass them).

@@ -257,6 +257,25 @@ def test_oneof_branches_that_only_say_object_keywords_are_typed_object(tokenizer
         assert accepts(text) == valid, text
 
 
+def test_oneof_branches_of_one_other_types_keywords_are_typed_too() -> None:
+    """The practice schema oneOf [items pattern a, items pattern b, items pattern a|b|c]: the model
+    wrote a string, which passes all three branches (constraint_violation at temperature 0.7)."""
+    import jsonschema
+
+    patterns = {"oneOf": [{"items": {"pattern": "a"}}, {"items": {"pattern": "b"}}, {"items": {"pattern": "a|b|c"}}],
+                "minItems": 2}
+    assert [b["type"] for b in type_object_branches(patterns)["oneOf"]] == ["array"] * 3
+    bounds = {"oneOf": [{"minimum": 5}, {"maximum": 3}, {"type": "string"}]}
+    assert [b.get("type") for b in type_object_branches(bounds)["oneOf"]] == ["number", "number", "string"]
+    mixed = {"oneOf": [{"items": {"type": "string"}}, {"properties": {"a": {}}}]}  # an object passes one branch
+    assert type_object_branches(mixed) == mixed
+    for schema in (patterns, bounds):  # no valid value is lost
+        for value in ("x", 4, 7, ["c", "a"], ["a", "b"], ["a", "a"], {"a": 1}):
+            if jsonschema.Draft7Validator(schema).is_valid(value):
+                assert jsonschema.Draft7Validator(type_object_branches(schema)).is_valid(value), (schema, value)
+    assert not jsonschema.Draft7Validator({"anyOf": type_object_branches(patterns)["oneOf"]}).is_valid("x")
+
+
 def test_a_required_propertys_dependents_are_required_in_the_grammar(tokenizer: Any) -> None:
     from radixgen.errors import InvalidConstraintError
 
