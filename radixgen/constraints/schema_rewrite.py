@@ -45,6 +45,11 @@ def grammar_schema(schema: Any, options: GrammarOptions = DEFAULT_OPTIONS) -> An
         discriminated_conditions(type_by_conditions(type_by_members(type_by_negation(type_object_branches(
             schema))))))))),
         options.max_recursion_depth)
+    if schema is False:
+        raise InvalidConstraintError(
+            f"no value satisfies the json schema within its recursion: recursive definitions are unrolled "
+            f"{options.max_recursion_depth} levels deep (json_max_recursion_depth), and one whose required properties "
+            "refer back to itself has no instance that ends; make the recursive property optional or nullable")
     return schema if options.open_objects else close_objects(schema)
 
 
@@ -517,7 +522,25 @@ def limit_recursion(schema: Any, depth: int) -> Any:
     for name in cyclic:
         for level in range(1, depth + 1):
             new_defs[f"{name}@{level}"] = relink(defs[name], level)
-    return {**relink(body, 0), defs_key: new_defs}
+    body = relink(body, 0)
+    # a definition that ended false (its required recursion was cut) makes its references false,
+    # to a fixed point: xgrammar refused a reference to false wherever a branch reached it
+    false_refs: set[str] = set()
+    while newly := {f"#/{defs_key}/{name}" for name, d in new_defs.items() if d is False} - false_refs:
+        false_refs |= newly
+        new_defs = {name: _without_refs_to(d, false_refs) for name, d in new_defs.items()}
+        body = _without_refs_to(body, false_refs)
+    return {**body, defs_key: new_defs} if isinstance(body, dict) else body
+
+
+def _without_refs_to(node: Any, false_refs: set[str]) -> Any:
+    if isinstance(node, list):
+        return [_without_refs_to(item, false_refs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("$ref") in false_refs:
+        return False
+    return _drop_false({k: v if k in _DATA_KEYWORDS else _without_refs_to(v, false_refs) for k, v in node.items()})
 
 
 def _drop_false(node: dict[str, Any]) -> Any:

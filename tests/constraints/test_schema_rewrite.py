@@ -512,3 +512,28 @@ def test_a_root_pinned_to_literals_writes_those_its_other_keywords_accept(tokeni
     assert _accepts(huge, tokenizer, "1e+308") is (backend != "llguidance")
     with pytest.raises(InvalidConstraintError, match="no value satisfies"):
         engine.compile(schema_spec({"const": 3, "type": "string"}))
+
+
+USAGE_TREE = {"type": "object", "properties": {"fields": {"type": "array", "items": {"$ref": "#/definitions/el"}}},
+              "definitions": {
+                  "el": {"type": "object", "properties": {
+                      "code": {"type": "integer"}, "usages": {"type": "array", "items": {"$ref": "#/definitions/usage"}}},
+                      "oneOf": [{"required": ["code", "usages"]},
+                                {"allOf": [{"not": {"required": ["usages"]}}, {"required": ["code"]}]}],
+                      "additionalProperties": False},
+                  "usage": {"type": "object", "properties": {"field": {"$ref": "#/definitions/el"}}, "required": ["field"],
+                            "additionalProperties": False}}}
+
+
+def test_references_to_a_definition_cut_to_false_become_false(tokenizer: Any) -> None:
+    """Past the depth cap a usage (which requires an element, which may hold usages) is false;
+    a reference to it stayed a reference, and once the element's branches were folded xgrammar
+    refused the whole schema ("Schema 'false' cannot accept any value"). References to a false
+    definition are now false themselves (the usages there must be empty), to a fixed point."""
+    compiled = grammar_schema(USAGE_TREE)
+    false_defs = {f"#/definitions/{name}" for name, d in compiled["definitions"].items() if d is False}
+    assert false_defs, "the cap cuts the recursion"
+    assert not any(f'"$ref": "{ref}"' in json.dumps(compiled) for ref in false_defs)
+    grammar = make_backend("xgrammar", tokenizer, len(tokenizer), [tokenizer.eos_token_id]).compile(
+        schema_spec(USAGE_TREE))
+    assert _accepts(grammar, tokenizer, '{"fields": [{"code": 1, "usages": [{"field": {"code": 2}}]}]}')
