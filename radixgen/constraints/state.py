@@ -72,6 +72,9 @@ class ConstraintState:
     bans: dict[int, set[int]] = field(default_factory=dict)
     """Output position -> tokens a validator rejected there (masked out when resampling)."""
     num_rollbacks: int = 0
+    """Rejected values the model wrote again (bounded by max_validation_retries)."""
+    num_repairs: int = 0
+    """Rejected values the validators replaced themselves (a closer, a searched value)."""
     dead_end: str | None = None
     """Why the automaton (with the validators' bans) allowed no token at this step, if it did not."""
     forced_pending: int = 0

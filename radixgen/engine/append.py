@@ -451,6 +451,7 @@ def constraint_report(req: Request) -> ConstraintReport | None:
         + (speculation.accepted_forced if speculation is not None else 0),
         drafted_tokens=speculation.drafted if speculation is not None else 0,
         accepted_tokens=speculation.accepted if speculation is not None else 0,
-        rollbacks=retries + (state.forced_drops if state is not None else 0), validator_retries=retries,
+        rollbacks=retries + (state.num_repairs + state.forced_drops if state is not None else 0),
+        validator_retries=retries,
         steered_tokens=state.budget.steered_tokens if state is not None and state.budget is not None else 0,
         searched_values=state.searched_values if state is not None else 0)

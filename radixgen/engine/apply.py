@@ -30,6 +30,9 @@ from radixgen.engine.stats import SchedulerStats, StepLog
 
 logger = logging.getLogger(__name__)
 
+_REPAIRS_PER_RETRY = 4
+"""Values the validators may write in one output per retry it is allowed (max_validation_retries)."""
+
 
 @dataclass
 class _SteadyBatch:
@@ -348,9 +351,15 @@ class StepApplier:
                 rollback.replacement is not None and self.appender.accepts_at(req, rollback.keep, rollback.replacement)):
             rollback = rollback.fallback
         keep, ban_at, why = rollback.keep, rollback.ban_at, rollback.reason
-        state.num_rollbacks += 1
+        # a value the validators write themselves (a closer after repeats, a searched value) holds
+        # by construction: it is no retry of the model's, but it is bounded all the same
+        if rollback.replacement is not None:
+            state.num_repairs += 1
+        else:
+            state.num_rollbacks += 1
         self.planner.remove_running(req)
-        if state.num_rollbacks > req.params.max_validation_retries:
+        retries = req.params.max_validation_retries
+        if state.num_rollbacks > retries or state.num_repairs > _REPAIRS_PER_RETRY * retries:
             return self.finish(req, FinishReason.CONSTRAINT_VIOLATION,
                                 error=f"the output kept failing validation; last reason: {why}")
         removed = len(req.output_ids) - keep

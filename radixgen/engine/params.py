@@ -67,6 +67,9 @@ class SamplingParams:
     """Callbacks by JSON path ("$.price", "$.items[*].qty") run on each completed value; a False
     return or a ValueError rejects it: the request rolls back to the value's start and resamples."""
     max_validation_retries: int = 5
+    """Times the model may write a rejected value again before the request ends
+    ``constraint_violation``. Values the validators write themselves (a searched number, the
+    closer of a list that repeats itself) use none; they are bounded at four per retry."""
     logit_bias: dict[int, float] | None = field(default=None, compare=False)
     """Token id -> a value in [-100, 100] added to its logit before sampling (OpenAI's logit_bias;
     -100 bans the token, 100 all but forces it). A constraint's mask still applies on top."""

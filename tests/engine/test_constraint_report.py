@@ -94,8 +94,24 @@ def test_a_searched_value_is_counted(make_engine: Callable[..., Engine]) -> None
     out = engine.generate("Number:", SamplingParams(max_new_tokens=40, temperature=0, json_schema=CHAINED))
     report = out.constraint
     assert report is not None and (report.ended, report.valid) == ("complete", True)
-    assert report.searched_values == 1 and report.validator_retries == 2
+    # rejected twice: the model wrote the value again once, then the search wrote it (no retry)
+    assert report.searched_values == 1 and report.validator_retries == 1 and report.rollbacks == 2
     assert independently_valid(out.text, CHAINED)
+
+
+def test_a_value_the_validators_write_uses_no_retry(make_engine: Callable[..., Engine]) -> None:
+    """One retry allowed: the model rewrites the rejected number once, then the search writes a
+    valid one. That repair used to count as the second retry and end the answer a violation (a
+    long document with several lists closed after repeats ran out of retries the same way)."""
+    engine = make_engine()
+    params = SamplingParams(max_new_tokens=40, temperature=0, json_schema=CHAINED, max_validation_retries=1)
+    out = engine.generate("Number:", params)
+    report = out.constraint
+    assert report is not None and (report.ended, report.valid) == ("complete", True), out.error
+    assert report.searched_values == 1 and report.validator_retries == 1
+    strict = engine.generate("Number:", SamplingParams(max_new_tokens=40, temperature=0, json_schema=CHAINED,
+                                                       max_validation_retries=0))
+    assert strict.finish_reason is FinishReason.CONSTRAINT_VIOLATION
 
 
 def test_a_stop_string_before_the_end_is_reported_stopped(make_engine: Callable[..., Engine]) -> None:
