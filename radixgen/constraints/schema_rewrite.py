@@ -515,6 +515,11 @@ def limit_recursion(schema: Any, depth: int) -> Any:
             if level >= depth:
                 return False
             node = {**node, "$ref": f"#/{defs_key}/{target}@{level + 1}"}
+        elif (inside := _inside_definition(node.get("$ref"), defs_key, cyclic)) is not None:
+            # a pointer into a definition that is now unrolled ("#/definitions/a/definitions/b"):
+            # into the copy at the next level (the last one past the cap; it has no cycle left)
+            head, tail = inside
+            node = {**node, "$ref": f"#/{defs_key}/{head}@{min(level + 1, depth)}/{tail}"}
         out = {k: v if k in _DATA_KEYWORDS else relink(v, level) for k, v in node.items()}
         return _drop_false(out)
 
@@ -538,7 +543,8 @@ def _without_refs_to(node: Any, false_refs: set[str]) -> Any:
         return [_without_refs_to(item, false_refs) for item in node]
     if not isinstance(node, dict):
         return node
-    if node.get("$ref") in false_refs:
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref in false_refs:  # (a properties map may name a property "$ref")
         return False
     return _drop_false({k: v if k in _DATA_KEYWORDS else _without_refs_to(v, false_refs) for k, v in node.items()})
 
@@ -570,6 +576,16 @@ def _target(ref: Any, defs_key: str) -> str | None:
         return _ROOT
     prefix = f"#/{defs_key}/"
     return ref[len(prefix):].replace("~1", "/").replace("~0", "~") if isinstance(ref, str) and ref.startswith(prefix) else None
+
+
+def _inside_definition(ref: Any, defs_key: str, unrolled: set[str]) -> tuple[str, str] | None:
+    """(the definition's name as the pointer spells it, the rest of the pointer) for a pointer
+    below one of the ``unrolled`` definitions; None for any other reference."""
+    prefix = f"#/{defs_key}/"
+    if not (isinstance(ref, str) and ref.startswith(prefix)):
+        return None
+    head, _, tail = ref[len(prefix):].partition("/")
+    return (head, tail) if tail and head.replace("~1", "/").replace("~0", "~") in unrolled else None
 
 
 def _refs_to(node: Any, defs_key: str) -> set[str]:

@@ -537,3 +537,18 @@ def test_references_to_a_definition_cut_to_false_become_false(tokenizer: Any) ->
     grammar = make_backend("xgrammar", tokenizer, len(tokenizer), [tokenizer.eos_token_id]).compile(
         schema_spec(USAGE_TREE))
     assert _accepts(grammar, tokenizer, '{"fields": [{"code": 1, "usages": [{"field": {"code": 2}}]}]}')
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_pointer_into_an_unrolled_definition_follows_it(tokenizer: Any, backend: str) -> None:
+    """Real schemas point below a recursive definition ("#/definitions/character/definitions/
+    level"). Unrolling renamed the definition and left the pointer dangling: both backends
+    refused the schema (o84111, o7515 and a JsonSchemaStore file in the practice corpus)."""
+    character = {"type": "object", "definitions": {"level": {"type": "integer"}},
+                 "properties": {"level": {"$ref": "#/definitions/character/definitions/level"},
+                                "friend": {"$ref": "#/definitions/character"}}}
+    schema = {"type": "object", "properties": {"hero": {"$ref": "#/definitions/character"}},
+              "definitions": {"character": character}}
+    grammar = make_backend(backend, tokenizer, len(tokenizer), [tokenizer.eos_token_id]).compile(schema_spec(schema))
+    assert _accepts(grammar, tokenizer, '{"hero": {"level": 3, "friend": {"level": 4}}}')
+    assert not _accepts(grammar, tokenizer, '{"hero": {"level": "x"}}')
