@@ -48,6 +48,10 @@ START_WALK_SCALE = 8
 per constraint, and a schema with dozens of required nested objects (a units catalogue with 42
 required properties) needs ~3,000 characters. Without a completion the request could be neither
 refused for a budget it cannot fit nor steered to close."""
+LONG_START_WALK_SCALE = 4 * START_WALK_SCALE
+"""Where the start walk outgrew its bound, it is tried once more this far: a schema of 90 kB
+with hundreds of required properties had a shortest answer of 18,282 characters (6,070 tokens),
+and without it the request ran unsteered until max_tokens cut it."""
 _ENCODE_CACHE_SIZE = 4096
 _PLAIN_STRING_PROBE = 8
 _PAD_LENGTHS = (8, 16, 32)
@@ -93,6 +97,9 @@ class Completer:
         separators = [c for c in self._chars if c[0] in ", "]
         self._chars = closers + separators + [c for c in self._chars if c not in closers and c not in separators]
         self._probe = next(t for ch, t in self._chars if ch == "a")
+        self.ran_out_of_room = False
+        """The last walk stopped at its bounds (its text's length or its steps), not at a dead
+        end: a walk with larger bounds may still find the end."""
         self._newline = [c for c in self._chars if c[0] == "\n"]
 
     def encode(self, text: str) -> tuple[int, ...]:
@@ -118,6 +125,7 @@ class Completer:
         steps: list[tuple[int, str, Iterator[str] | None]] = []
         size = 0
         attempts = 0
+        self.ran_out_of_room = False
         try:
             while size <= _MAX_COMPLETION_CHARS * scale and attempts <= _MAX_WALK_STEPS * scale:
                 attempts += 1
@@ -154,6 +162,7 @@ class Completer:
                     ch = next(options, None)
                 steps.append((1, ch, options))
                 size += 1
+            self.ran_out_of_room = True
             return None
         finally:
             accepted = sum(count for count, _, _ in steps)

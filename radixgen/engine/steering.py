@@ -26,6 +26,7 @@ from typing import Any
 
 from radixgen.constraints.backend import Matcher
 from radixgen.constraints.budget import (
+    LONG_START_WALK_SCALE,
     START_WALK_SCALE,
     BudgetSnapshot,
     BudgetState,
@@ -81,8 +82,11 @@ class BudgetSteering:
                  ) -> Completion | None:
         """The shortest complete output of a fresh request (cached per constraint by the caller,
         so its walk may go furthest)."""
-        return self._completion(matcher, dfa, dfa.initial if dfa is not None else None, scale=START_WALK_SCALE,
-                                strings=strings)
+        start = dfa.initial if dfa is not None else None
+        completion = self._completion(matcher, dfa, start, scale=START_WALK_SCALE, strings=strings)
+        if completion is None and dfa is None and self.completer.ran_out_of_room:
+            completion = self._completion(matcher, dfa, start, scale=LONG_START_WALK_SCALE, strings=strings)
+        return completion
 
     def _complete(self, state: BudgetState, matcher: Matcher, tokens_left: int = 0) -> Completion | None:
         # a completion that fits a large budget may be long: the walk's bounds grow with it

@@ -118,6 +118,18 @@ def test_refusal_names_the_minimum_budget(tiny_engine: Engine) -> None:
     assert len(json.loads(at_minimum.text)["first_name"]) >= 3
 
 
+def test_a_shortest_answer_longer_than_the_start_walks_bound_is_still_found_and_refused(tiny_engine: Engine) -> None:
+    """A 90 kB real schema's shortest answer is 18,282 characters, past the start walk's bound:
+    no completion was found, so the request was neither refused nor steered and max_tokens cut
+    it. The walk is tried once more with a larger bound when it ran out of room."""
+    names = [f"field_{i:03d}" for i in range(160)]
+    schema = {"type": "object", "properties": {n: {"type": "object", "properties": {
+        "code": {"type": "string", "minLength": 100}}, "required": ["code"]} for n in names}, "required": names}
+    out = tiny_engine.generate("Record:", SamplingParams(max_new_tokens=512, json_schema=schema))
+    minimum = _refused_below(out, 512)
+    assert minimum is not None and minimum > 1000 and out.token_ids == []
+
+
 def test_steering_off_cuts_at_length_and_on_finishes(make_engine: Callable[..., Engine]) -> None:
     """The tiny random model rambles inside strings: the budget-unaware run is cut, the steered
     run ends with a complete value of the same schema."""
