@@ -49,9 +49,9 @@ per constraint, and a schema with dozens of required nested objects (a units cat
 required properties) needs ~3,000 characters. Without a completion the request could be neither
 refused for a budget it cannot fit nor steered to close."""
 LONG_START_WALK_SCALE = 4 * START_WALK_SCALE
-"""Where the start walk outgrew its bound, it is tried once more this far: a schema of 90 kB
-with hundreds of required properties had a shortest answer of 18,282 characters (6,070 tokens),
-and without it the request ran unsteered until max_tokens cut it."""
+"""Where the start walk stopped at its bounds (not at a dead end), it is tried once more this
+far: a real schema with hundreds of required properties has a shortest answer thousands of
+tokens long, and without it the request ran unsteered until max_tokens cut it."""
 _ENCODE_CACHE_SIZE = 4096
 _PLAIN_STRING_PROBE = 8
 _PAD_LENGTHS = (8, 16, 32)
