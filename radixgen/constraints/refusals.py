@@ -31,7 +31,7 @@ from typing import Any
 
 from radixgen.constraints.drafts import validator_class
 from radixgen.constraints.refs import deref, resolve_ref
-from radixgen.constraints.schema_rewrite import ANNOTATIONS
+from radixgen.constraints.schema_rewrite import ANNOTATIONS, listed_literals
 from radixgen.constraints.spec import ConstraintSpec
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas")
@@ -53,7 +53,7 @@ def _refusal_of(schema_text: str) -> str | None:
 
 def unenforceable(schema: Any) -> str | None:
     """Why generation for ``schema`` is refused up front, or None when it is not."""
-    if not isinstance(schema, dict) or _pinned(schema, schema):
+    if not isinstance(schema, dict) or listed_literals(schema) is not None:
         return None  # the grammar writes one of the literals: nothing is left to require
     for where, node in reachable(schema):
         if "contains" in node:
@@ -225,14 +225,6 @@ def _existential(root: dict[str, Any], negated: Any, depth: int = 0) -> str | No
             if found is not None:
                 return found
     return None
-
-
-def _pinned(root: dict[str, Any], node: Any, depth: int = 0) -> bool:
-    """The value is one of listed literals (``const`` / ``enum`` at the root or in a member of its allOf)."""
-    node = deref(root, node)
-    if not isinstance(node, dict) or depth > 8:  # bounded: allOf may refer back to the root
-        return False
-    return "const" in node or "enum" in node or any(_pinned(root, m, depth + 1) for m in node.get("allOf") or [])
 
 
 def intersected_recursions(root: Any) -> tuple[str, list[str]] | None:

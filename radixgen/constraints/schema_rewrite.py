@@ -60,7 +60,7 @@ def pinned_literals(schema: Any) -> Any:
     spells it, whatever else the schema says: llguidance wrote ``1e+308`` as a 309-digit integer,
     which is not equal to the float, and keywords beside the literals (``not``) sent the schema
     to it."""
-    literals = _listed_literals(schema, schema)
+    literals = listed_literals(schema)
     if literals is None:
         return schema
     try:
@@ -69,6 +69,12 @@ def pinned_literals(schema: Any) -> Any:
     except Exception:  # noqa: BLE001 - a reference the validator cannot follow offline: left to the backends
         return schema
     return {"enum": kept} if kept else False
+
+
+def listed_literals(schema: Any) -> list[Any] | None:
+    """The literals ``schema`` pins its root to: its ``const`` / ``enum``, or those of a member
+    of its ``allOf``; None when it lists none."""
+    return _listed_literals(schema, schema)
 
 
 def _listed_literals(root: Any, node: Any, depth: int = 0) -> list[Any] | None:
