@@ -26,6 +26,7 @@ import numpy as np
 from radixgen.config import EngineConfig
 from radixgen.constraints import Grammar
 from radixgen.constraints.partial import PartialJson
+from radixgen.engine.compute_threads import release_idle_team
 from radixgen.engine.constrained import ConstrainedDecoding
 from radixgen.engine.inbox import AbortRequest, Admit, AdmitCompiled, InboxItem, RunOnLoop, Wake
 from radixgen.engine.model_runner import ModelRunner
@@ -504,9 +505,16 @@ class Engine:
         self._started.wait()
         if self._stopped.is_set():  # __init__ failed after the model was built
             return
+        team_in_use = not self.config.is_cuda  # loading the model ran parallel regions here
         try:
             while not self._stopped.is_set():
-                self._drain_inbox(block=not (self.scheduler.has_work() or self.pipeline.in_flight))
+                idle = not (self.scheduler.has_work() or self.pipeline.in_flight)
+                if idle and team_in_use:  # compute_threads.py: what an idle team costs the others
+                    release_idle_team()
+                    team_in_use = False
+                self._drain_inbox(block=idle)
+                if not self.config.is_cuda and (self.scheduler.has_work() or self.pipeline.in_flight):
+                    team_in_use = True
                 self.pipeline.run()
                 if self._after_step is not None:
                     self._after_step()
