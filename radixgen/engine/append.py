@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 
+from radixgen.constraints.backend import Matcher
 from radixgen.constraints.events import Rejection
+from radixgen.constraints.mask import allocate_bitmask
 from radixgen.constraints.report import REPORT_KINDS, ConstraintReport, ended_as
 from radixgen.constraints.state import ConstraintState, Rollback
 from radixgen.engine.constrained import automaton_failed, forced_token_ids
@@ -31,7 +33,8 @@ Logprobs = tuple[float, list[tuple[int, float]]]
 
 class TokenAppender:
     def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...], max_context_len: int,
-                 jump_forward: bool = False, steering: BudgetSteering | None = None) -> None:
+                 jump_forward: bool = False, steering: BudgetSteering | None = None,
+                 vocab_size: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.jump_forward = jump_forward
         self.steering = steering
@@ -42,6 +45,8 @@ class TokenAppender:
         self.eos_array = np.array(sorted(self.eos_token_ids), dtype=np.int64)
         self.max_context_len = max_context_len
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._lone_stop_mask = allocate_bitmask(1, vocab_size) if vocab_size else None
+        """A mask row of its own for ``_lone_stop`` (the step's masks may be filled already)."""
 
     def add(self, req: Request) -> None:
         if self.tokenizer is None or not req.detokenize:
@@ -103,7 +108,31 @@ class TokenAppender:
                 return self._complete(req) if at_length and self._stop_here(req) else ended
         if steer is not None and steer.finishes and self._stop_here(req):
             return self._complete(req)
+        stop = self._lone_stop(req, matcher)
+        if stop is not None:  # the step that would sample it is not run
+            matcher.accept(stop)
+            self._record_forced_logprobs(req, stop)
+            req.output_ids.append(stop)
+            return self._complete(req)
         return EXTEND_FORCED if len(tokens) > 1 else GO_ON
+
+    def _lone_stop(self, req: Request, matcher: Matcher) -> int | None:
+        """The stop token, where it is the one token the automaton allows next: a decode step
+        would sample it whatever the logits (the end of a JSON document, of a choice). None
+        where anything else may follow, or the output must not end yet."""
+        if self._lone_stop_mask is None or len(req.output_ids) < req.params.min_new_tokens \
+                or not matcher.is_completed():
+            return None
+        mask = self._lone_stop_mask
+        matcher.fill_bitmask(mask, 0)
+        words = np.flatnonzero(mask[0])
+        if len(words) != 1:
+            return None
+        word = int(mask[0, words[0]]) & 0xFFFFFFFF
+        if word & (word - 1):  # more than one bit
+            return None
+        token = int(words[0]) * 32 + word.bit_length() - 1
+        return token if token in matcher.stop_token_ids else None
 
     @staticmethod
     def gather_blocks(plan: StepPlan, rows: np.ndarray, tokens: np.ndarray, sinks: np.ndarray,

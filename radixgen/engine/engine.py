@@ -136,7 +136,7 @@ class Engine:
         self.constraints = ConstrainedDecoding(self.config, self.tokenizer, self.model_config.vocab_size,
                                                list(self.model_config.eos_token_ids))
         self.scheduler = Scheduler(self.config, pool, self.tokenizer, self.model_config.eos_token_ids,
-                                   steering=self.constraints.steering)
+                                   steering=self.constraints.steering, vocab_size=self.model_config.vocab_size)
         self.scheduler.planner.drafter.max_step_tokens = self.runner.full_precision_max_tokens
         self.sampler = Sampler(self.model_config.vocab_size, self.config.max_running_requests, self.runner.device)
         self._inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()

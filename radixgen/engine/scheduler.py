@@ -36,12 +36,12 @@ from radixgen.radix import RadixTree
 
 class Scheduler:
     def __init__(self, config: EngineConfig, pool: KVPool, tokenizer: Any, eos_token_ids: tuple[int, ...], *,
-                 steering: BudgetSteering | None = None) -> None:
+                 steering: BudgetSteering | None = None, vocab_size: int | None = None) -> None:
         self.config = config
         self.kv = KVCacheManager(pool, use_cache=not config.disable_radix_cache)
         self.requests: dict[str, Request] = {}
         self.appender = TokenAppender(tokenizer, eos_token_ids, pool.max_context_len, jump_forward=config.jump_forward,
-                                       steering=steering)
+                                       steering=steering, vocab_size=vocab_size)
         self.stats = SchedulerStats(event_log=config.event_log)
         self._log = StepLog()
         self.planner = BatchPlanner(config, self.kv, self.stats, self._log,

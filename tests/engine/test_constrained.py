@@ -211,9 +211,10 @@ def test_without_the_radix_cache_forced_text_is_not_computed_twice(make_engine: 
     out = engine.generate("Data:", SamplingParams(max_new_tokens=40, temperature=0, json_schema=JF_SCHEMAS[1]))
     jsonschema.validate(json.loads(out.text), JF_SCHEMAS[1])
     # a jump-forward extend would have recomputed the prompt: with no cache to reuse, every
-    # position is computed once (the last output token is never fed back)
+    # position is computed once (the last two output tokens are never fed back: the document's
+    # closing brace, after which the automaton allows only the stop token, and that token)
     assert stats.num_jump_forwards == 0
-    assert stats.computed_tokens == out.prompt_tokens + out.completion_tokens - 1
+    assert stats.computed_tokens == out.prompt_tokens + out.completion_tokens - 2
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
@@ -259,3 +260,28 @@ def test_json_streams_unless_a_validator_could_take_text_back(
         assert text.startswith("{") and len(streamed) >= 3
         if deltas[-1].finish_reason is FinishReason.STOP:
             jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("constraint", [{"regex": r"\d{4}-\d{2}-\d{2}"},
+                                        {"json_schema": {"type": "object", "properties": {"n": {"type": "integer"}},
+                                                         "required": ["n"], "additionalProperties": False}}])
+def test_a_stop_token_the_automaton_forces_is_taken_without_a_step(make_engine: Callable[..., Engine],
+                                                                   constraint: dict[str, Any]) -> None:
+    """Once the automaton allows only the stop token, no decode step is spent sampling it; the
+    output, the stop token included, is the one a step would give."""
+    runs = []
+    for shortcut in (True, False):
+        engine = make_engine(speculative="off")
+        if not shortcut:
+            engine.scheduler.appender._lone_stop_mask = None
+        stats = engine.scheduler.stats
+        params = SamplingParams(max_new_tokens=40, temperature=0, logprobs=True, **constraint)
+        out = engine.generate(["Date:", "Record:"], params)
+        runs.append(([o.token_ids for o in out], stats.num_decode_steps))
+        eos = set(engine.model_config.eos_token_ids)
+        for o in out:
+            assert o.finish_reason is FinishReason.STOP and o.token_ids[-1] in eos
+            assert len(o.logprobs) == len(o.token_ids), "the taken stop token has its log-probability too"
+    (with_shortcut, steps), (stepped, stepped_steps) = runs
+    assert with_shortcut == stepped
+    assert steps < stepped_steps, (steps, stepped_steps)
