@@ -74,3 +74,17 @@ def test_an_engine_releases_its_team_when_it_goes_idle(make_engine: Callable[...
     assert len(calls) == 2, "the team was not released after the request"
     assert all(not busy for _, busy in calls), "released while the engine had work"
     assert {name for name, _ in calls} == {engine._thread.name}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_the_native_kernels_share_torchs_openmp_runtime() -> None:
+    """Two runtimes would each keep a team of their own on the same cores (every step's regions
+    spinning against each other): the extension must resolve to the runtime torch loaded."""
+    from radixgen.kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("the native kernels are not built here")
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps
+                    if os.path.basename(line.split()[-1]).startswith(("libgomp", "libiomp", "libomp"))}
+    assert len(runtimes) == 1, runtimes
