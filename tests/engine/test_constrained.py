@@ -276,7 +276,9 @@ def test_a_stop_token_the_automaton_forces_is_taken_without_a_step(make_engine: 
             engine.scheduler.appender._lone_stop_mask = None
         stats = engine.scheduler.stats
         params = SamplingParams(max_new_tokens=40, temperature=0, logprobs=True, **constraint)
-        out = engine.generate(["Date:", "Record:"], params)
+        # one request at a time: two in one batch may be admitted a step apart, and then the
+        # step one of them saves can still run for the other
+        out = [engine.generate(prompt, params) for prompt in ("Date:", "Record:")]
         runs.append(([o.token_ids for o in out], stats.num_decode_steps))
         eos = set(engine.model_config.eos_token_ids)
         for o in out:
@@ -284,4 +286,4 @@ def test_a_stop_token_the_automaton_forces_is_taken_without_a_step(make_engine: 
             assert len(o.logprobs) == len(o.token_ids), "the taken stop token has its log-probability too"
     (with_shortcut, steps), (stepped, stepped_steps) = runs
     assert with_shortcut == stepped
-    assert steps < stepped_steps, (steps, stepped_steps)
+    assert steps == stepped_steps - 2, (steps, stepped_steps)
