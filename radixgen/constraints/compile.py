@@ -69,8 +69,10 @@ class GrammarService:
             deliver(None if error else f.result(), error if isinstance(error, Exception) or error is None
                     else RuntimeError(str(error)))
 
+        kind = spec.kind.replace("_", " ")
         timer = threading.Timer(self.timeout_s, lambda: deliver(None, InvalidConstraintError(
-            f"compiling the {spec.kind.replace('_', ' ')} took longer than {self.timeout_s:.0f} s; simplify it")))
+            f"compiling the {kind} took longer than {self.timeout_s:.0f} s; it goes on in the background, and the "
+            f"same {kind} sent again once it is done is served from the cache (or simplify it)")))
         timer.daemon = True
         # the timeout counts the compile itself, not the wait behind other schemas' compiles (128
         # new schemas at once timed out from the 40th on, refused although each compiles in < 1 s)

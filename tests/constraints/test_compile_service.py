@@ -60,4 +60,11 @@ def test_a_compile_that_takes_too_long_still_times_out() -> None:
     results = compile_all(service, [regex_spec("[a-z]+"), regex_spec("[0-9]+"), regex_spec("[A-Z]+")])
     assert results[0][0] is not None and results[2][0] is not None
     assert isinstance(results[1][1], InvalidConstraintError) and "took longer than" in str(results[1][1])
+    # as the error says, the compile went on: once done, the same constraint is a cache hit
+    deadline = time.monotonic() + 10
+    while regex_spec("[0-9]+").key in service._inflight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    hits = service.hits
+    (grammar, error), = compile_all(service, [regex_spec("[0-9]+")])
+    assert grammar is not None and error is None and service.hits == hits + 1
     service.shutdown()
