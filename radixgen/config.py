@@ -127,6 +127,8 @@ class EngineConfig:
     """How deep a recursive schema definition may nest in generated JSON (past it the recursive
     branch is closed: an empty array of children, the null alternative)."""
     grammar_compile_timeout_s: float = 30.0
+    """Longest a constraint's compile may run before its request is refused; the compile goes on
+    and lands in the cache, so the same constraint sent again is served once it is done."""
     max_schema_bytes: int = 256 * 1024
     """Largest JSON schema (compact JSON) a request may give."""
     max_schema_depth: int = 64
