@@ -26,7 +26,6 @@ import numpy as np
 from radixgen.config import EngineConfig
 from radixgen.constraints import Grammar
 from radixgen.constraints.partial import PartialJson
-from radixgen.engine.compute_threads import release_idle_team
 from radixgen.engine.constrained import ConstrainedDecoding
 from radixgen.engine.inbox import AbortRequest, Admit, AdmitCompiled, InboxItem, RunOnLoop, Wake
 from radixgen.engine.model_runner import ModelRunner
@@ -509,8 +508,8 @@ class Engine:
         try:
             while not self._stopped.is_set():
                 idle = not (self.scheduler.has_work() or self.pipeline.in_flight)
-                if idle and team_in_use:  # compute_threads.py: what an idle team costs the others
-                    release_idle_team()
+                if idle and team_in_use:
+                    self.pipeline.release_compute_threads()
                     team_in_use = False
                 self._drain_inbox(block=idle)
                 if not self.config.is_cuda and (self.scheduler.has_work() or self.pipeline.in_flight):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixgen.engine.compute_threads import release_idle_team
 from radixgen.engine.constrained import DEAD_END, ConstrainedDecoding, mask_logits
 from radixgen.engine.model_runner import ModelRunner, split_prompt_scores
 from radixgen.engine.plan import StepKind, StepPlan
@@ -102,6 +103,11 @@ class StepPipeline:
 
     def close(self) -> None:
         """Wait for the step in flight and give its slots back without applying it."""
+
+    def release_compute_threads(self) -> None:
+        """Hand back the OpenMP teams of the threads that ran this engine's steps, the engine
+        being idle (compute_threads.py: an idle team slows every other team in the process)."""
+        release_idle_team()
 
     def _prepare(self, plan: StepPlan) -> None:
         """Loop-thread work before a planned step runs: the grammar masks of a plain step are
@@ -264,6 +270,10 @@ class OverlapPipeline(StepPipeline):
     def settle(self) -> None:
         if self._pending is not None:
             self.run(lookahead=False)
+
+    def release_compute_threads(self) -> None:
+        super().release_compute_threads()  # the loop thread's, from loading the model
+        self._worker.submit(release_idle_team).result()
 
     def close(self) -> None:
         pending, self._pending = self._pending, None

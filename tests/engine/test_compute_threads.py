@@ -15,7 +15,7 @@ import torch
 
 from radixgen import Engine, SamplingParams
 from radixgen.engine import compute_threads
-from radixgen.engine import engine as engine_module
+from radixgen.engine import step as step_module
 
 
 def _thread_count() -> int:
@@ -46,8 +46,11 @@ def test_releasing_a_threads_team_ends_its_workers() -> None:
     assert counts["with team"] - counts["released"] == 2, counts
 
 
-def test_an_engine_releases_its_team_when_it_goes_idle(make_engine: Callable[..., Engine],
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_engine_releases_its_teams_when_it_goes_idle(make_engine: Callable[..., Engine],
+                                                        monkeypatch: pytest.MonkeyPatch, overlap: bool) -> None:
+    """Released on every thread that runs the engine's steps: the loop thread, and with the
+    overlapped loop its device worker too (that team, left alone, throttled a second engine)."""
     calls: list[tuple[str, bool]] = []
     holder: dict[str, Engine] = {}
 
@@ -56,24 +59,26 @@ def test_an_engine_releases_its_team_when_it_goes_idle(make_engine: Callable[...
         calls.append((threading.current_thread().name, engine is not None and engine.scheduler.has_work()))
         return True
 
-    monkeypatch.setattr(engine_module, "release_idle_team", recording_release)
-    engine = holder["engine"] = make_engine()
+    monkeypatch.setattr(step_module, "release_idle_team", recording_release)
+    engine = holder["engine"] = make_engine(overlap=overlap)
+    per_release = 2 if overlap else 1
 
     def wait_for_calls(count: int) -> None:
         deadline = time.monotonic() + 10
         while len(calls) < count and time.monotonic() < deadline:
             time.sleep(0.01)
 
-    wait_for_calls(1)  # loading the model used the team
-    assert len(calls) == 1
+    wait_for_calls(per_release)  # loading the model used the team
+    assert len(calls) == per_release
     time.sleep(0.7)  # idle wake-ups of the loop release nothing more
-    assert len(calls) == 1
+    assert len(calls) == per_release
     out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
     assert len(out.token_ids) == 8
-    wait_for_calls(2)
-    assert len(calls) == 2, "the team was not released after the request"
+    wait_for_calls(2 * per_release)
+    assert len(calls) == 2 * per_release, "the teams were not released after the request"
     assert all(not busy for _, busy in calls), "released while the engine had work"
-    assert {name for name, _ in calls} == {engine._thread.name}
+    threads = {name.split("_")[0] for name, _ in calls}
+    assert threads == ({engine._thread.name, "radixgen-device"} if overlap else {engine._thread.name}), threads
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
