@@ -19,3 +19,14 @@ def ban_tokens(row: np.ndarray, tokens: set[int]) -> None:
         trial[t // 32] &= np.int32(~(1 << (t % 32)) if t % 32 != 31 else 0x7FFFFFFF)
     if trial.any():
         row[:] = trial
+
+
+def lone_token(row: np.ndarray) -> int | None:
+    """The one token a bitmask row allows, or None where it allows none or several."""
+    words = np.flatnonzero(row)
+    if len(words) != 1:
+        return None
+    word = int(row[words[0]]) & 0xFFFFFFFF
+    if word & (word - 1):  # more than one bit
+        return None
+    return int(words[0]) * 32 + word.bit_length() - 1

@@ -12,7 +12,7 @@ import numpy as np
 
 from radixgen.constraints.backend import Matcher
 from radixgen.constraints.events import Rejection
-from radixgen.constraints.mask import allocate_bitmask
+from radixgen.constraints.mask import allocate_bitmask, lone_token
 from radixgen.constraints.report import REPORT_KINDS, ConstraintReport, ended_as
 from radixgen.constraints.state import ConstraintState, Rollback
 from radixgen.engine.constrained import automaton_failed, forced_token_ids
@@ -123,15 +123,8 @@ class TokenAppender:
         if self._lone_stop_mask is None or len(req.output_ids) < req.params.min_new_tokens \
                 or not matcher.is_completed():
             return None
-        mask = self._lone_stop_mask
-        matcher.fill_bitmask(mask, 0)
-        words = np.flatnonzero(mask[0])
-        if len(words) != 1:
-            return None
-        word = int(mask[0, words[0]]) & 0xFFFFFFFF
-        if word & (word - 1):  # more than one bit
-            return None
-        token = int(words[0]) * 32 + word.bit_length() - 1
+        matcher.fill_bitmask(self._lone_stop_mask, 0)
+        token = lone_token(self._lone_stop_mask[0])
         return token if token in matcher.stop_token_ids else None
 
     @staticmethod

@@ -238,3 +238,14 @@ def test_filling_many_rows_at_once_equals_filling_each(service: GrammarService, 
     assert np.array_equal(batched, each)
     assert len({batched[r].tobytes() for r in rows}) > 3, "the states differ, so must their masks"
     assert (batched[[0, 3]] == allocate_bitmask(2, 49152)).all(), "rows not asked for are untouched"
+
+
+@pytest.mark.parametrize(("allowed", "expected"), [([5], 5), ([31], 31), ([32 * 7 + 31], 32 * 7 + 31), ([49151], 49151),
+                                                   ([], None), ([3, 4], None), ([3, 40], None)])
+def test_lone_token_reads_the_one_allowed_token(allowed: list[int], expected: int | None) -> None:
+    from radixgen.constraints.mask import lone_token
+
+    row = np.zeros((49152 + 31) // 32, dtype=np.int32)
+    for t in allowed:
+        row[t // 32] |= np.int32(-(1 << 31)) if t % 32 == 31 else np.int32(1 << (t % 32))
+    assert lone_token(row) == expected
