@@ -22,7 +22,12 @@ from typing import Any, Literal
 
 from radixgen.constraints.drafts import as_2020_12, validator_class
 from radixgen.constraints.refs import deref, pattern_schemas
-from radixgen.constraints.value_search import anchored_numbers, listed_literals, small_numbers
+from radixgen.constraints.value_search import (
+    anchored_numbers,
+    listed_literals,
+    member_candidates,
+    small_numbers,
+)
 from radixgen.json_lexer import CLOSE, OPEN, OUTSIDE, JsonStrings
 
 Path = tuple[str | int, ...]
@@ -360,6 +365,9 @@ class Validation:
     """A value rejected this many times at one path is replaced by a searched valid one: its
     validators (multipleOf chains under not / oneOf, an if / then over listed arrays, ...) are
     outside what the grammar enforces, and resampling rarely lands on the few valid values."""
+    MEMBER_RETRIES = 2
+    """Rejections of a whole container sent to its last member before the container itself is
+    rolled back (``_last_member_rejection``)."""
     SEARCH_INTEGERS, SEARCH_TENTHS, SEARCH_ANCHORED = 4_000, 1_000, 6_000
     """Candidates tried at most: integers within 2,000 of 0, then tenths within 50, then numbers
     anchored on the schema's multipleOf values and bounds (constraints/value_search.py). The
@@ -375,6 +383,8 @@ class Validation:
         self._items: dict[Path, list[str]] = {}  # array path -> its completed items (canonical JSON)
         self._rejections: dict[Path, int] = {}  # kept across rollbacks
         self._repeats_in: dict[Path, int] = {}  # container path -> items or keys refused as repeats (kept too)
+        self._last_items: dict[Path, CompletedValue] = {}  # array path -> its last completed item
+        self._member_retries: dict[Path, int] = {}  # container path -> rejections sent to its last member (kept too)
 
     settled = 0
     """Chars of the output no rejection can reach back into: none, the whole value is checked
@@ -384,9 +394,11 @@ class Validation:
         """Re-scan from scratch (after a rollback) without running validators."""
         self.scanner = JsonScanner()
         self._items = {}
+        self._last_items = {}
         for value in self.scanner.feed(text):
             if value.path and isinstance(value.path[-1], int):
                 self._items.setdefault(value.path[:-1], []).append(json.dumps(value.value, sort_keys=True))
+                self._last_items[value.path[:-1]] = value
 
     def feed(self, text: str, *, final: bool = False) -> Rejection | None:
         done = self.scanner.feed(text)
@@ -399,12 +411,13 @@ class Validation:
                 if repeated is not None:
                     return self._repeat_rejection(value, repeated)
                 self._items.setdefault(value.path[:-1], []).append(canonical)
+                self._last_items[value.path[:-1]] = value
             try:
                 reason = self._check(value)
             except UserValidatorError as e:
                 return Rejection(value.path, value.start, str(e), isinstance(value.value, str), fatal=True)
             if reason is not None:
-                return self._dependent_key_rejection(value, reason) or Rejection(
+                return self._dependent_key_rejection(value, reason) or self._last_member_rejection(value, reason) or Rejection(
                     value.path, value.start, reason, isinstance(value.value, str),
                     replacement=self._replacement(value), end=value.end)
         duplicate, self.scanner.duplicate_key = self.scanner.duplicate_key, None
@@ -425,6 +438,49 @@ class Validation:
             return None
         first = min(keys, key=value.key_starts.__getitem__)
         return Rejection((*value.path, first), value.key_starts[first], reason, is_string=True)
+
+    def _last_member_rejection(self, value: CompletedValue, reason: str) -> Rejection | None:
+        """An array refused as a whole (its items each passed) whose last item is a scalar: that
+        item is resampled first, then (on the second refusal) replaced by the first of
+        ``member_candidates`` that mends the array; ``MEMBER_RETRIES`` times at most before the
+        whole array is rolled back. What fails there relates items to each other (``contains``,
+        a ``oneOf`` whose branches differ in what some item must be), and one item changed is
+        the smallest edit that can mend it; rolled back whole, the model wrote it out again, and
+        at the root the ban fell on the output's first token. A container item or an object's
+        key is left to the whole rollback: its first token is often the only one the grammar
+        allows there, and a ban on it would leave none."""
+        if not isinstance(value.value, list) or not value.value or self._member_retries.get(value.path, 0) >= self.MEMBER_RETRIES:
+            return None
+        last = self._last_items.get(value.path)
+        if last is None or isinstance(last.value, (list, dict)) or not value.start < last.start < last.end <= value.end:
+            return None
+        if self._wants_number(value.path) or self._listed_here(value.path):
+            return None  # the whole value's own search (``_replacement``) fits better
+        tries = self._member_retries[value.path] = self._member_retries.get(value.path, 0) + 1
+        resample = Rejection(last.path, last.start, reason, isinstance(last.value, str))
+        found = self._member_replacement(value, last) if tries > 1 else None
+        if found is None:
+            return resample
+        return Rejection(last.path, last.start, reason, replacement=found, end=last.end, fallback=resample)
+
+    def _listed_here(self, path: Path) -> bool:
+        """The schema lists literals (enum / const) for the value at ``path``."""
+        if self.schema is None:
+            return False
+        node = resolve_subschema(self.schema.root, path) if path else self.schema.root
+        return bool(listed_literals(node, self.schema.root))
+
+    def _member_replacement(self, array: CompletedValue, last: CompletedValue) -> str | None:
+        """JSON text of a value that, in place of ``last``, passes its own validators and makes
+        ``array`` pass; None when no candidate does."""
+        node = resolve_subschema(self.schema.root, last.path) if self.schema is not None else None
+        listed = listed_literals(node, self.schema.root) if self.schema is not None else []
+        for candidate in member_candidates(listed):
+            if candidate == last.value or not self._accepts(last, candidate):
+                continue
+            if self._accepts(array, [*array.value[:-1], candidate]):
+                return json.dumps(candidate, ensure_ascii=False)
+        return None
 
     def _repeat_rejection(self, value: CompletedValue, reason: str, closer: str = "]", close_after: int = SEARCH_AFTER) -> Rejection:
         """Roll a repeated array item (or an object's repeated key, ``closer`` "}") back; once its

@@ -8,7 +8,8 @@ the least common multiples of its ``multipleOf`` values, taken near 0 and near e
 bounds, so that "an odd multiple of 385 below -100000" is among them although it is far from 0.
 For any other value they are the literals the schema lists for it (``enum`` / ``const`` in its
 subschema and its combinators: an array that must be one of a few listed arrays and also pass
-an ``if`` / ``then`` the grammar leaves out).
+an ``if`` / ``then`` the grammar leaves out). For the last item of an array refused as a whole,
+they are that item's listed literals and then the shortest values of each JSON type.
 """
 
 from __future__ import annotations
@@ -45,6 +46,18 @@ def small_numbers(limit: int, *, tenths: bool) -> Iterator[int | float]:
         yield -magnitude
         emitted += 2
         k += 1
+
+
+def member_candidates(listed: list[Any]) -> Iterator[Any]:
+    """Values to try in place of an array's last item when the array as a whole is refused: the
+    literals its schema lists first, then the shortest strings (empty, one letter or digit), small
+    integers and the JSON literals. What such an array lacks is usually one item of a kind (a
+    string without some letter, a listed value it must contain), not a particular long one."""
+    yield from listed
+    yield ""
+    yield from "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    yield from small_numbers(20, tenths=False)
+    yield from (True, False, None)
 
 
 def anchored_numbers(schema: Any, limit: int) -> list[int | float]:

@@ -254,3 +254,47 @@ def test_a_key_written_without_the_keys_it_depends_on_is_taken_back_alone() -> N
         assert whole is not None and whole.start == len(prefix) + len('{"image": '), whole  # the type fault first
         validation = Validation(schema=SchemaValidators(schema))
         assert validation.feed(prefix + '{"mem_limit": 1, "memswap_limit": 2}') is None
+
+
+def test_an_array_refused_as_a_whole_has_its_last_item_resampled_then_searched() -> None:
+    """oneof10_2: items must match "a|b|c", and exactly one of three branches holds only when
+    some item lacks "a" and some item lacks "b". Each item passes on its own, so the array fails
+    at its close: its last item is resampled first, then replaced by the first short value that
+    mends the array, and only then is the whole array taken back."""
+    schema = {"oneOf": [{"items": {"pattern": "a"}}, {"items": {"pattern": "b"}}, {"items": {"pattern": "a|b|c"}}],
+              "minItems": 2}
+    validation = Validation(schema=SchemaValidators(schema))
+    kept = '["schema", '
+    first = validation.feed(kept + '"a"]', final=True)
+    assert first is not None and first.path == (1,) and first.start == len(kept) and first.is_string
+    assert first.replacement is None and "valid under each" in first.reason
+    validation.reset(kept)
+    second = validation.feed('"pa"]', final=True)
+    assert second is not None and second.path == (1,) and second.start == len(kept)
+    assert second.replacement == '"b"' and second.end == len(kept) + len('"pa"'), second
+    assert second.fallback is not None and second.fallback.replacement is None
+    checked = Validation(schema=SchemaValidators(schema))
+    assert checked.feed(kept + second.replacement + "]", final=True) is None, "the searched item mends the array"
+    validation.reset(kept)
+    whole = validation.feed('"a"]', final=True)
+    assert whole is not None and whole.path == () and whole.start == 0, "past the member retries: the whole array"
+
+
+def test_an_array_without_what_it_must_contain_gets_it_in_its_last_place() -> None:
+    schema = {"type": "array", "items": {"type": "integer"}, "contains": {"const": 7}}
+    validation = Validation(schema=SchemaValidators(schema))
+    assert validation.feed("[1, 2]", final=True) is not None
+    validation.reset("[1, ")
+    searched = validation.feed("3]", final=True)
+    assert searched is not None and searched.replacement == "7" and searched.path == (1,)
+
+
+def test_an_object_or_an_array_of_objects_refused_as_a_whole_is_taken_back_whole() -> None:
+    """A key, or an object item, usually starts with the one token the grammar allows there: a
+    ban on it would leave no token at all, so only scalar items are retried alone."""
+    keys = {"type": "object", "oneOf": [{"required": ["a"]}, {"required": ["b"]}]}
+    rejection = Validation(schema=SchemaValidators(keys)).feed('{"a": 1, "b": 2}', final=True)
+    assert rejection is not None and rejection.path == () and rejection.start == 0
+    objects = {"type": "array", "contains": {"type": "object", "required": ["k"]}}
+    rejection = Validation(schema=SchemaValidators(objects)).feed('[{"a": 1}, {"b": 2}]', final=True)
+    assert rejection is not None and rejection.path == () and rejection.start == 0

@@ -385,3 +385,14 @@ def test_a_model_that_keeps_repeating_a_key_has_its_object_closed(real_engine: E
     pairs: list[list[str]] = []
     json.loads(out.text, object_pairs_hook=lambda kv: pairs.append([k for k, _ in kv]) or dict(kv))
     assert all(len(keys) == len(set(keys)) for keys in pairs), "no object holds a key twice"
+
+
+@pytest.mark.real_model
+def test_an_array_valid_under_two_one_of_branches_is_mended_at_its_last_item(real_engine: Engine) -> None:
+    """oneof10_2: exactly one branch holds only where some item lacks "a" and some lacks "b".
+    The model's items all held an "a"; the whole array was rolled back (at the root, its first
+    token banned) until the retries ran out: constraint_violation. Its last item is now retried
+    alone, then searched."""
+    schema, out = _practice_answer(real_engine, "Handwritten---oneof10_2.json", prompt_chars=2000)
+    assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.error, out.text[-200:])
+    jsonschema.validate(json.loads(out.text), schema)
