@@ -366,8 +366,8 @@ class Validation:
     validators (multipleOf chains under not / oneOf, an if / then over listed arrays, ...) are
     outside what the grammar enforces, and resampling rarely lands on the few valid values."""
     MEMBER_RETRIES = 2
-    """Rejections of a whole container sent to its last member before the container itself is
-    rolled back (``_last_member_rejection``)."""
+    """Rejections of a whole array sent to its last item before the array itself is rolled back
+    (``_last_member_rejection``)."""
     SEARCH_INTEGERS, SEARCH_TENTHS, SEARCH_ANCHORED = 4_000, 1_000, 6_000
     """Candidates tried at most: integers within 2,000 of 0, then tenths within 50, then numbers
     anchored on the schema's multipleOf values and bounds (constraints/value_search.py). The
@@ -384,7 +384,7 @@ class Validation:
         self._rejections: dict[Path, int] = {}  # kept across rollbacks
         self._repeats_in: dict[Path, int] = {}  # container path -> items or keys refused as repeats (kept too)
         self._last_items: dict[Path, CompletedValue] = {}  # array path -> its last completed item
-        self._member_retries: dict[Path, int] = {}  # container path -> rejections sent to its last member (kept too)
+        self._member_retries: dict[Path, int] = {}  # array path -> rejections sent to its last item (kept too)
 
     settled = 0
     """Chars of the output no rejection can reach back into: none, the whole value is checked
