@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from radixgen.constraints.backend import Matcher
+from radixgen.constraints.mask import allocate_bitmask, allowed_tokens
 from radixgen.constraints.spec import MAX_REGEX_STATES, pattern_branches, state_budget
 from radixgen.json_lexer import CLOSE, CONTENT, OPEN, OUTSIDE, JsonStrings
 
@@ -54,6 +55,8 @@ far: a real schema with hundreds of required properties has a shortest answer th
 tokens long, and without it the request ran unsteered until max_tokens cut it."""
 _ENCODE_CACHE_SIZE = 4096
 _PLAIN_STRING_PROBE = 8
+_CHARACTER_ENDINGS = 16
+"""Tokens tried at most to end a character a token left part-written."""
 _PAD_LENGTHS = (8, 16, 32)
 # The shortest values of the formats grammars enforce by pattern (date, date-time, time, email,
 # hostname, URI, UUID, IPv4/6, semantic version, duration), tried whole at a string's start
@@ -78,6 +81,7 @@ class Completer:
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
         self._encoded: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         # the single-character tokens, in preference order; inside text (where a letter is
         # allowed) letters come before the closers, so a padded string reads "aaa", not "}}}"
@@ -120,7 +124,42 @@ class Completer:
 
         Depth-first: forced stretches are taken whole, elsewhere the first allowed character
         in preference order; at a dead end (a bounded number whose digits ran out, say) the walk
-        backs up to the last choice and takes the next allowed character there."""
+        backs up to the last choice and takes the next allowed character there. Where the last
+        token left a character part-written, a token that ends it comes first."""
+        completion = self._walk(matcher, scale, strings)
+        if completion is None and not self.ran_out_of_room and self._inside_character(matcher):
+            completion = self._through_character(matcher, scale, strings)
+        return completion
+
+    def _inside_character(self, matcher: Matcher) -> bool:
+        """The last token ended part-way through a multi-byte character (byte-level tokens split
+        "Ｈ" in two): the automaton takes none of the walk's characters and forces nothing."""
+        if matcher.forced_string() or matcher.is_completed():
+            return False
+        for _, token in self._chars:
+            if matcher.accept(token):
+                matcher.rollback(1)
+                return False
+        return True
+
+    def _through_character(self, matcher: Matcher, scale: int, strings: tuple[str, ...]) -> Completion | None:
+        """A token the automaton allows that ends the part-written character, then the walk from
+        there. The walk writes whole characters, so without this no completion was found at every
+        other token of a run of such characters, and a string of them ran to the budget's end."""
+        row = allocate_bitmask(1, self.vocab_size)
+        matcher.fill_bitmask(row, 0)
+        for token in allowed_tokens(row[0])[:_CHARACTER_ENDINGS].tolist():
+            if not matcher.accept(token):
+                continue
+            try:
+                rest = None if self._inside_character(matcher) else self._walk(matcher, scale, strings)
+            finally:
+                matcher.rollback(1)
+            if rest is not None:
+                return Completion(self.tokenizer.decode([token]) + rest.text, (token, *rest.token_ids))
+        return None
+
+    def _walk(self, matcher: Matcher, scale: int, strings: tuple[str, ...]) -> Completion | None:
         # each step: (tokens accepted, text, the remaining alternatives of a choice or None)
         steps: list[tuple[int, str, Iterator[str] | None]] = []
         size = 0
@@ -356,6 +395,8 @@ class BudgetState:
     opened: bool = False
     """The last token scanned opened an object or an array, or started another item or property:
     the one kind of token that can make the completion much longer at once."""
+    item_opened: bool = False
+    """The last token scanned started another item of an array (its comma)."""
     key_expected: bool = False
     disabled: bool = False
     """The completion's tokens were refused by the automaton: this request is not steered."""
@@ -363,8 +404,12 @@ class BudgetState:
     """After a walk found no completion: steer again only once fewer tokens than this are left."""
     priced_at: float = float("inf")
     """The tokens left when the completion was last found by a walk."""
-    priced_nestings: set[str] = field(default_factory=set)
-    """The nestings (``containers``) whose opening was priced far from the end."""
+    priced_openings: dict[str, int] = field(default_factory=dict)
+    """What a completion cost where an opening was first priced, by where it opens: a deeper
+    nesting (``containers``), or another item of an array (``containers`` + ","). The same
+    opening is priced again wherever the tokens left come within that cost."""
+    pricing: str | None = None
+    """The opening being priced now, whose cost is kept once the walk finds it."""
     steered_tokens: int = 0
     """Tokens appended by steering instead of the model's choice."""
     shortened: bool = False
@@ -400,7 +445,7 @@ class BudgetState:
         if not self.is_json:
             return True
         touched = False
-        self.opened = False
+        self.opened = self.item_opened = False
         lexer = self.lexer
         for ch in text:
             kind = lexer.step(ch)
@@ -418,6 +463,7 @@ class BudgetState:
                     self.containers = self.containers[:-1]
                 elif ch == ",":
                     self.key_expected = True
+                    self.item_opened = self.item_opened or self.containers.endswith("[")
                 elif ch == ":":
                     self.key_expected = False
                 continue

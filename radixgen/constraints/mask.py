@@ -30,3 +30,9 @@ def lone_token(row: np.ndarray) -> int | None:
     if word & (word - 1):  # more than one bit
         return None
     return int(words[0]) * 32 + word.bit_length() - 1
+
+
+def allowed_tokens(row: np.ndarray) -> np.ndarray:
+    """The tokens a bitmask row allows, ascending."""
+    bits = np.unpackbits(np.ascontiguousarray(row).view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits)

@@ -118,16 +118,23 @@ class BudgetSteering:
         priced) needs its completion found now, while it can still be taken back.
 
         - A new item or property can cost far more than the completion before it (an array item
-          with required nested objects): priced within a wider window.
+          with required nested fields): priced within a wider window.
         - A completion left stale since far from the end is brought up to date in that window
           too, once per ``_FAR_TOKENS``.
-        - An object or array opened at a nesting not opened before in this output is priced at
-          any distance: an optional object with 60 required properties, opened 400 tokens from
-          the end, needs ~150 tokens to close, more than any window looks at. Items of an array
-          repeat their nesting and are not priced again until the window."""
-        if len(state.containers) > len(saved.containers) and state.containers not in state.priced_nestings:
-            state.priced_nestings.add(state.containers)
-            return True
+        - An object or array opened at a nesting not opened before in this output, and the
+          first comma that starts another item of an array, are priced at any distance: an
+          optional object with 60 required properties, opened 400 tokens from the end, needs
+          ~150 tokens to close, more than any window looks at. The same opening again (the next
+          item of that array) is priced once the tokens left come within what the first one's
+          completion cost: sp_306's items of ~40 required strings each cost ~200 tokens, and the
+          one opened 120 tokens from the end was found too long only when nothing could close it."""
+        opening = (state.containers if len(state.containers) > len(saved.containers)
+                   else state.containers + "," if state.item_opened else None)
+        if opening is not None:
+            first_cost = state.priced_openings.get(opening)
+            if first_cost is None or tokens_left - 1 <= first_cost + _FAR_TOKENS:
+                state.pricing = opening
+                return True
         if tokens_left - 1 > _OPENING_WINDOW * max(_FAR_TOKENS, before.cost):
             return False
         return state.opened or (state.stale and state.priced_at - tokens_left >= _FAR_TOKENS)
@@ -176,13 +183,17 @@ class BudgetSteering:
             # inside a string the completion stays put, unless the string's own constraint (a
             # pattern, a length) needs other characters from here: "-20-2" closes with '0"'
             after: Completion | None = before
-        elif before is not None and not state.stale and text and before.text.startswith(text):
+        elif before is not None and not state.stale and text and "\ufffd" not in text and before.text.startswith(text):
             # the model took the first steps of the cheapest completion: the rest still completes
+            # (a token that is part of a character decodes to U+FFFD alone: its text tells nothing)
             rest = before.text[len(text):]
             after = Completion(rest, self.completer.encode(rest))
         else:
             after = self._complete(state, matcher, tokens_left)
             state.priced_at = tokens_left
+            if state.pricing is not None and after is not None:
+                state.priced_openings.setdefault(state.pricing, after.cost)
+        state.pricing = None
         state.stale = False
         if after is None:  # the walk found no end from here: try again a few tokens on
             state.completion, state.retry_below = None, tokens_left - _RETRY_AFTER_TOKENS

@@ -111,3 +111,22 @@ def test_a_pattern_whose_alternatives_carry_their_own_anchors_is_completed(walk:
     text = walk(schema, "", strings=strings)
     assert text is not None, "no completion"
     jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_character_a_token_left_part_written_is_ended_before_the_walk(tokenizer: Any, backend: str) -> None:
+    """Byte-level tokens split "Ｈ" in two. oneof10_2 at temperature 0.7: a string item of such
+    characters went on to max_tokens, since from every other token the walk (whole characters
+    only) found no end, and its retries every 4 tokens all fell on those."""
+    schema = {"type": "array", "items": {"type": "string", "minLength": 4}}
+    service = GrammarService(make_backend(backend, tokenizer, VOCAB, [tokenizer.eos_token_id]))
+    whole = tokenizer.encode('["xＨＨ', add_special_tokens=False)
+    part_written = whole[:-1]
+    assert tokenizer.decode(part_written).endswith("\ufffd"), "the tokenizer no longer splits the character"
+    matcher = service.compile(schema_spec(schema)).matcher()
+    assert matcher.accept_all(part_written)
+    completion = Completer(tokenizer, VOCAB).complete(matcher)
+    assert completion is not None
+    assert matcher.accept_all(completion.token_ids) and matcher.is_completed()
+    answer = json.loads(tokenizer.decode(part_written + list(completion.token_ids)))
+    jsonschema.validate(answer, schema)

@@ -396,3 +396,50 @@ def test_an_array_valid_under_two_one_of_branches_is_mended_at_its_last_item(rea
     schema, out = _practice_answer(real_engine, "Handwritten---oneof10_2.json", prompt_chars=2000)
     assert out.finish_reason is FinishReason.STOP, (out.finish_reason, out.error, out.text[-200:])
     jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_another_item_as_costly_as_the_first_is_priced_at_its_comma(tokenizer: Any, backend: str) -> None:
+    """sp_306 at temperature 0.7: array items of ~40 required strings cost ~200 tokens each. The
+    first item was priced where it opened; the third opened ~120 tokens from the end, outside
+    the window where every opening is priced, and by the time it was priced nothing could close
+    it: cut at max_tokens. The comma that starts another item is priced once the tokens left
+    come within what the first such comma's completion cost, and taken back there."""
+    from types import SimpleNamespace
+
+    from radixgen.constraints import GrammarService, make_backend
+    from radixgen.constraints.budget import Completer
+    from radixgen.constraints.spec import schema_spec
+    from radixgen.constraints.state import ConstraintState
+    from radixgen.engine.steering import BudgetSteering
+
+    names = [f"p{i:02d}" for i in range(40)]
+    schema = {"type": "array", "items": {"type": "object", "properties": {n: {"type": "string"} for n in names},
+                                         "required": names, "additionalProperties": False}}
+    item = "{" + ", ".join(f'"{n}": "v"' for n in names) + "}"
+    written = tokenizer.encode("[" + item + ", " + item, add_special_tokens=False)
+    model = written + tokenizer.encode(", " + item + "]", add_special_tokens=False)
+    budget = len(written) + 120
+    service = GrammarService(make_backend(backend, tokenizer, 49152, [tokenizer.eos_token_id]))
+    spec = schema_spec(schema)
+    steering = BudgetSteering(Completer(tokenizer, 49152), tokenizer, margin_tokens=8)
+    state = ConstraintState(service.compile(spec).matcher())
+    shortest = steering.shortest(state.matcher, None)
+    assert shortest is not None
+    steering.start(state, spec, shortest, None)
+    request = SimpleNamespace(constraint=state)
+    output: list[int] = []
+    steer = None
+    for token in model:
+        assert state.matcher.accept(token)
+        steer = steering.after_accept(request, token, budget - len(output))  # type: ignore[arg-type]
+        if steer is not None:
+            break
+        output.append(token)
+    assert steer is not None and steer.finishes, "the third item was let open"
+    assert len(output) == len(written), "taken back at the comma that starts the third item"
+    output += steer.token_ids
+    assert len(output) <= budget and state.matcher.is_completed()
+    answer = json.loads(tokenizer.decode(output))
+    assert len(answer) == 2
+    jsonschema.validate(answer, schema)
