@@ -249,3 +249,16 @@ def test_lone_token_reads_the_one_allowed_token(allowed: list[int], expected: in
     for t in allowed:
         row[t // 32] |= np.int32(-(1 << 31)) if t % 32 == 31 else np.int32(1 << (t % 32))
     assert lone_token(row) == expected
+
+
+def test_allowed_tokens_reads_every_bit_of_a_row() -> None:
+    from radixgen.constraints.mask import allowed_tokens, ban_tokens
+
+    row = np.zeros((49152 + 31) // 32, dtype=np.int32)
+    wanted = [0, 5, 31, 32, 32 * 7 + 31, 40000, 49151]
+    for t in wanted:
+        row[t // 32] |= np.int32(-(1 << 31)) if t % 32 == 31 else np.int32(1 << (t % 32))
+    assert allowed_tokens(row).tolist() == wanted
+    ban_tokens(row, {31, 40000})
+    assert allowed_tokens(row).tolist() == [0, 5, 32, 32 * 7 + 31, 49151], "the layout ban_tokens writes"
+    assert allowed_tokens(np.zeros(4, dtype=np.int32)).tolist() == []
