@@ -109,6 +109,11 @@ class EngineConfig:
     """Running requests decode their next token inside every prefill step (one forward, the
     weights read once) instead of waiting for the prefill queue to drain; attention still takes
     each part its own way. Off: prefill and decode steps strictly alternate by queue state."""
+    prefill_alone_below_tokens: int = 256
+    """With ``mixed_steps``, a prefill of fewer new tokens than this runs in a step of its own,
+    and the running requests decode in the next one: a short prompt's first token does not
+    wait for a whole decode batch's step, while a long one still rides with the decodes. 0:
+    every prefill is mixed."""
     max_queued_requests: int = 4096
     """Most requests in flight, running and waiting; past it a new request is refused (HTTP 429 at
     the server)."""
@@ -209,6 +214,9 @@ class EngineConfig:
         for name in ("max_prefill_tokens", "max_mixed_prefill_tokens", "max_running_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.prefill_alone_below_tokens < 0:
+            raise ValueError(f"prefill_alone_below_tokens must be 0 (always mixed) or more, "
+                             f"got {self.prefill_alone_below_tokens}")
 
     @property
     def model_dtype(self) -> str:

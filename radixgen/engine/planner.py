@@ -1,7 +1,9 @@
 """Batch planning: which requests run in the next step, and in what shape.
 
 Each step is a prefill batch or a decode batch; with ``mixed_steps`` a prefill batch also
-carries every running request's next token (its rows last), under a smaller prefill budget. A
+carries every running request's next token (its rows last), under a smaller prefill budget,
+unless it computes fewer than ``prefill_alone_below_tokens`` new tokens (then it runs alone and
+the running requests decode in the next step). A
 prefill batch admits waiting requests (by policy) under a token budget, the running cap and the
 KV room left after reserving part of what running requests may still generate; each admitted
 request first takes its longest cached prefix from the radix tree (locked while it runs) and
@@ -203,7 +205,10 @@ class BatchPlanner:
         if not decode_first and (self.chunked or self.waiting):
             plan = self._schedule_prefill()
             if plan is not None and self.running and self.config.mixed_steps:
-                plan = self._with_decode_rows(plan)
+                if int(plan.extend_lens.sum()) < self.config.prefill_alone_below_tokens:
+                    self._decode_turn = True  # a short prefill alone, then the running requests decode
+                else:
+                    plan = self._with_decode_rows(plan)
         if plan is None and self.running:
             plan = self._schedule_decode(known_inputs)
         if plan is not None and plan.kind.decodes_running:

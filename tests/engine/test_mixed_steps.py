@@ -63,7 +63,7 @@ def _assert_same(got: tuple[list[list[int]], list[list[float]]], expected: list[
 def test_mixed_steps_give_the_tokens_of_separate_steps(make_engine: Callable[..., Any]) -> None:
     # 64-token chunks: the 300-token prompt takes five prefill steps, four of which finish no
     # request, while the first request keeps decoding inside them.
-    small_chunks = dict(chunked_prefill_size=64, max_prefill_tokens=64)
+    small_chunks = dict(chunked_prefill_size=64, max_prefill_tokens=64, prefill_alone_below_tokens=0)
     mixed = make_engine(**small_chunks)
     separate = make_engine(mixed_steps=False, **small_chunks)
     first = mixed.tokenize("The first request starts alone and keeps decoding while others arrive.")
@@ -82,7 +82,8 @@ def test_mixed_steps_give_the_tokens_of_separate_steps(make_engine: Callable[...
 
 def test_mixed_steps_with_the_reference_attention(make_engine: Callable[..., Any]) -> None:
     """The decode rows of a mixed step take the reference backend's per-request SDPA."""
-    mixed = make_engine(attention_backend="torch", chunked_prefill_size=64, max_prefill_tokens=64)
+    mixed = make_engine(attention_backend="torch", chunked_prefill_size=64, max_prefill_tokens=64,
+                        prefill_alone_below_tokens=0)
     assert mixed.runner.attention.name == "torch"
     first = mixed.tokenize("Decoding alongside a long prompt, without the native kernel.")
     late = [list(range(3000, 3200))]
@@ -104,7 +105,8 @@ def test_decode_positions_after_a_mixed_step_whose_prefill_is_aborted() -> None:
     from radixgen.engine.sampler import SampleResult
     from radixgen.engine.scheduler import Scheduler
 
-    config = EngineConfig(kv_cache_tokens=512, max_context_len=256, chunked_prefill_size=16, max_prefill_tokens=16)
+    config = EngineConfig(kv_cache_tokens=512, max_context_len=256, chunked_prefill_size=16, max_prefill_tokens=16,
+                          prefill_alone_below_tokens=0)
     pool = KVPool(num_slots=512, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32, device="cpu",
                   max_rows=8, max_context_len=256)
     sched = Scheduler(config, pool, None, eos_token_ids=())
@@ -144,7 +146,7 @@ def test_a_step_that_decodes_takes_a_smaller_prefill_budget() -> None:
     from radixgen.engine.scheduler import Scheduler
 
     config = EngineConfig(kv_cache_tokens=2048, max_context_len=512, max_prefill_tokens=256,
-                          max_mixed_prefill_tokens=64, chunked_prefill_size=128)
+                          max_mixed_prefill_tokens=64, chunked_prefill_size=128, prefill_alone_below_tokens=0)
     pool = KVPool(num_slots=2048, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32, device="cpu",
                   max_rows=8, max_context_len=512)
     sched = Scheduler(config, pool, None, eos_token_ids=())
@@ -163,3 +165,47 @@ def test_a_step_that_decodes_takes_a_smaller_prefill_budget() -> None:
     assert pool.available() + sched.tree.cached_tokens() == 2048
     with pytest.raises(ValueError, match="max_mixed_prefill_tokens"):
         EngineConfig(max_mixed_prefill_tokens=0)
+
+
+def test_a_short_prefill_runs_alone_and_the_running_requests_decode_next() -> None:
+    """A prompt of fewer new tokens than prefill_alone_below_tokens gets a step of its own (its
+    first token without waiting for the decode batch's step), then a decode step follows for
+    everyone, before any further prefill; a longer prompt still carries the running requests."""
+    import numpy as np
+
+    from radixgen import EngineConfig
+    from radixgen.engine.kv_pool import KVPool
+    from radixgen.engine.plan import StepKind
+    from radixgen.engine.request import Request
+    from radixgen.engine.sampler import SampleResult
+    from radixgen.engine.scheduler import Scheduler
+
+    config = EngineConfig(kv_cache_tokens=2048, max_context_len=512, prefill_alone_below_tokens=40)
+    pool = KVPool(num_slots=2048, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32, device="cpu",
+                  max_rows=8, max_context_len=512)
+    sched = Scheduler(config, pool, None, eos_token_ids=())
+    params = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
+
+    def step() -> Any:
+        plan = sched.schedule()
+        sched.process_results(plan, SampleResult(np.full(plan.batch_size, 7), None, None, None))
+        return plan
+
+    sched.add_request(Request("running", list(range(10, 20)), params, rng_seed=0))
+    step()
+    sched.add_request(Request("short", list(range(100, 130)), params, rng_seed=0))
+    alone = step()
+    assert alone.num_decode == 0 and [r.request_id for r in alone.requests] == ["short"]
+    sched.add_request(Request("another", list(range(200, 210)), params, rng_seed=0))
+    decode = step()
+    assert decode.kind is StepKind.DECODE and {r.request_id for r in decode.requests} == {"running", "short"}
+    assert step().requests[0].request_id == "another", "the queue is served after that decode step"
+    assert step().kind is StepKind.DECODE
+    sched.add_request(Request("long", list(range(300, 360)), params, rng_seed=0))
+    mixed = step()
+    assert mixed.num_decode == 3 and mixed.requests[0].request_id == "long"
+    for rid in ("running", "short", "another", "long"):
+        sched.abort(rid)
+    assert pool.available() + sched.tree.cached_tokens() == 2048
+    with pytest.raises(ValueError, match="prefill_alone_below_tokens"):
+        EngineConfig(prefill_alone_below_tokens=-1)

@@ -60,8 +60,9 @@ def _run(tokenizer: Any, *, lane: bool, monkeypatch: pytest.MonkeyPatch, kv_toke
     with monkeypatch.context() as m:
         if not lane:
             m.setattr(StepApplier, "_plain_decode_rows", lambda self, plan, result, verdicts: None)
+        # every prefill mixed while requests run: the tests follow rows through mixed steps too
         config = EngineConfig(max_running_requests=16, kv_cache_tokens=kv_tokens, max_context_len=1024,
-                              chunked_prefill_size=64, max_prefill_tokens=256)
+                              chunked_prefill_size=64, max_prefill_tokens=256, prefill_alone_below_tokens=0)
         pool = KVPool(num_slots=kv_tokens, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16,
                       device="cpu", max_rows=16, max_context_len=1024)
         sched = Scheduler(config, pool, tokenizer, eos_token_ids=(EOS,))
