@@ -110,10 +110,10 @@ class EngineConfig:
     weights read once) instead of waiting for the prefill queue to drain; attention still takes
     each part its own way. Off: prefill and decode steps strictly alternate by queue state."""
     prefill_alone_below_tokens: int = 256
-    """With ``mixed_steps``, a prefill of fewer new tokens than this runs in a step of its own,
-    and the running requests decode in the next one: a short prompt's first token does not
-    wait for a whole decode batch's step, while a long one still rides with the decodes. 0:
-    every prefill is mixed."""
+    """With ``mixed_steps``, a prefill of new requests computing fewer tokens than this runs in a
+    step of its own, and the running requests decode in the next one: a short prompt's first
+    token does not wait for a whole decode batch's step, while a long one still rides with the
+    decodes (as do jump-forward's requeued tokens). 0: every prefill is mixed."""
     max_queued_requests: int = 4096
     """Most requests in flight, running and waiting; past it a new request is refused (HTTP 429 at
     the server)."""

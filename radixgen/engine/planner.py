@@ -2,8 +2,8 @@
 
 Each step is a prefill batch or a decode batch; with ``mixed_steps`` a prefill batch also
 carries every running request's next token (its rows last), under a smaller prefill budget,
-unless it computes fewer than ``prefill_alone_below_tokens`` new tokens (then it runs alone and
-the running requests decode in the next step). A
+unless it admits new requests only and computes fewer than ``prefill_alone_below_tokens`` tokens
+(then it runs alone and the running requests decode in the next step). A
 prefill batch admits waiting requests (by policy) under a token budget, the running cap and the
 KV room left after reserving part of what running requests may still generate; each admitted
 request first takes its longest cached prefix from the radix tree (locked while it runs) and
@@ -205,7 +205,7 @@ class BatchPlanner:
         if not decode_first and (self.chunked or self.waiting):
             plan = self._schedule_prefill()
             if plan is not None and self.running and self.config.mixed_steps:
-                if int(plan.extend_lens.sum()) < self.config.prefill_alone_below_tokens:
+                if self._prefills_alone(plan):
                     self._decode_turn = True  # a short prefill alone, then the running requests decode
                 else:
                     plan = self._with_decode_rows(plan)
@@ -214,6 +214,15 @@ class BatchPlanner:
         if plan is not None and plan.kind.decodes_running:
             self.reserve.decode_step()  # the running requests decode in this step, mixed or not
         return plan
+
+    def _prefills_alone(self, plan: StepPlan) -> bool:
+        """A prefill of new requests only, shorter than ``prefill_alone_below_tokens``: its step
+        runs without the running requests' decode rows. A request that has output already (its
+        forced tokens requeued by jump-forward, or resumed after a retraction) stays mixed, or
+        each of its few tokens would cost the decode batch a forward of its own."""
+        if int(plan.extend_lens.sum()) >= self.config.prefill_alone_below_tokens:
+            return False
+        return not any(r.output_ids for r in plan.requests)
 
     def _schedule_prefill(self) -> StepPlan | None:
         budget = self.config.max_prefill_tokens

@@ -168,9 +168,10 @@ def test_a_step_that_decodes_takes_a_smaller_prefill_budget() -> None:
 
 
 def test_a_short_prefill_runs_alone_and_the_running_requests_decode_next() -> None:
-    """A prompt of fewer new tokens than prefill_alone_below_tokens gets a step of its own (its
+    """A new prompt of fewer tokens than prefill_alone_below_tokens gets a step of its own (its
     first token without waiting for the decode batch's step), then a decode step follows for
-    everyone, before any further prefill; a longer prompt still carries the running requests."""
+    everyone, before any further prefill; a longer prompt, or a request with output already,
+    still carries the running requests."""
     import numpy as np
 
     from radixgen import EngineConfig
@@ -204,7 +205,13 @@ def test_a_short_prefill_runs_alone_and_the_running_requests_decode_next() -> No
     sched.add_request(Request("long", list(range(300, 360)), params, rng_seed=0))
     mixed = step()
     assert mixed.num_decode == 3 and mixed.requests[0].request_id == "long"
-    for rid in ("running", "short", "another", "long"):
+    # a request with output already (jump-forward requeues its forced tokens, a retracted one
+    # resumes) stays mixed however short: alone, each of its few tokens would cost a forward
+    resumed = Request("resumed", list(range(400, 410)), params, rng_seed=0)
+    resumed.output_ids = [7, 7]
+    sched.add_request(resumed)
+    assert step().num_decode == 4
+    for rid in ("running", "short", "another", "long", "resumed"):
         sched.abort(rid)
     assert pool.available() + sched.tree.cached_tokens() == 2048
     with pytest.raises(ValueError, match="prefill_alone_below_tokens"):
