@@ -454,7 +454,7 @@ class Validation:
         last = self._last_items.get(value.path)
         if last is None or isinstance(last.value, (list, dict)) or not value.start < last.start < last.end <= value.end:
             return None
-        if self._wants_number(value.path) or self._listed_here(value.path):
+        if self._wants_number(value.path) or self._listed_at(value.path):
             return None  # the whole value's own search (``_replacement``) fits better
         tries = self._member_retries[value.path] = self._member_retries.get(value.path, 0) + 1
         resample = Rejection(last.path, last.start, reason, isinstance(last.value, str))
@@ -463,19 +463,17 @@ class Validation:
             return resample
         return Rejection(last.path, last.start, reason, replacement=found, end=last.end, fallback=resample)
 
-    def _listed_here(self, path: Path) -> bool:
-        """The schema lists literals (enum / const) for the value at ``path``."""
+    def _listed_at(self, path: Path) -> list[Any]:
+        """The literals (enum / const, through combinators) the schema lists for the value at ``path``."""
         if self.schema is None:
-            return False
+            return []
         node = resolve_subschema(self.schema.root, path) if path else self.schema.root
-        return bool(listed_literals(node, self.schema.root))
+        return listed_literals(node, self.schema.root)
 
     def _member_replacement(self, array: CompletedValue, last: CompletedValue) -> str | None:
         """JSON text of a value that, in place of ``last``, passes its own validators and makes
         ``array`` pass; None when no candidate does."""
-        node = resolve_subschema(self.schema.root, last.path) if self.schema is not None else None
-        listed = listed_literals(node, self.schema.root) if self.schema is not None else []
-        for candidate in member_candidates(listed):
+        for candidate in member_candidates(self._listed_at(last.path)):
             if candidate == last.value or not self._accepts(last, candidate):
                 continue
             if self._accepts(array, [*array.value[:-1], candidate]):
@@ -536,10 +534,7 @@ class Validation:
         """The first value the schema lists for ``rejected``'s path (``enum`` / ``const``, through
         its combinators) that every validator accepts, as a 1-tuple (the value may be None);
         None when the schema lists none there or none passes."""
-        if self.schema is None:
-            return None
-        node = self.schema.root if not rejected.path else resolve_subschema(self.schema.root, rejected.path)
-        for candidate in listed_literals(node, self.schema.root):
+        for candidate in self._listed_at(rejected.path):
             if candidate != rejected.value and self._accepts(rejected, candidate):
                 return (candidate,)
         return None
