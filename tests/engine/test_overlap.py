@@ -197,7 +197,9 @@ def test_the_event_log_stays_ordered_with_overlap(make_engine: Callable[..., Eng
 @pytest.mark.parametrize("overlap", [False, True])
 def test_an_internal_fault_in_an_overlapped_step_fails_its_requests_alone(
         make_engine: Callable[..., Engine], overlap: bool) -> None:
-    engine = make_engine(overlap=overlap)
+    # every prefill mixed: a request admitted a step late would otherwise prefill alone, and the
+    # injected fault could fall on its step only (each request fails with its own step)
+    engine = make_engine(overlap=overlap, prefill_alone_below_tokens=0)
     real = engine.pipeline.execute
     calls = {"n": 0}
 
