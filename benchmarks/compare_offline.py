@@ -55,6 +55,7 @@ from radixgen.models.loader import resolve_model_dir  # noqa: E402
 from radixgen.paths import cache_dir  # noqa: E402
 
 PEERS = Path(os.environ.get("RADIXGEN_PEERS", cache_dir() / "peers"))
+_CACHE_ON_FIRST = "COMPARE_OFFLINE_CACHE_ON_FIRST"
 CASES = ("plain-64", "shared-system-64", "long-prefill", "single")
 WORD_TEXT = ("order parcel refund window tracking agent phone week delivery customer cache tree token batch "
              "schedule memory kernel request answer question price hotel train ticket weather password form "
@@ -113,7 +114,9 @@ def radixgen_worker(cases_path: str, dtype: str, weights: str) -> None:
     from radixgen import Engine, EngineConfig, SamplingParams
 
     cases = json.loads(Path(cases_path).read_text())
-    for cache in sorted({c["prefix_cache"] for c in cases}):
+    # the second engine of a process measured slower in some runs: rounds alternate which goes first
+    cache_on_first = os.environ.get(_CACHE_ON_FIRST) == "1"
+    for cache in sorted({c["prefix_cache"] for c in cases}, reverse=cache_on_first):
         engine = Engine(EngineConfig(dtype=dtype, weights=weights, kv_cache_gb=4.0,  # type: ignore[arg-type]
                                      disable_radix_cache=not cache))
         engine.generate(cases[0]["prompts"][:8], SamplingParams(max_new_tokens=8, temperature=0))
@@ -186,12 +189,12 @@ def main() -> None:
     theirs: dict[tuple[str, bool], dict[str, Any]] = {}
     before: dict[tuple[str, bool], dict[str, Any]] = {}
     with trees_to_measure(args.before) as trees:
-        for _ in range(args.rounds):
+        for round_index in range(args.rounds):
             for tree, label in trees:
                 script = tree / "benchmarks" / "compare_offline.py"
                 _keep_fastest(ours if label == "this tree" else before, run(
                     [sys.executable, str(script), "--worker", f.name, "--dtype", args.dtype, "--weights", args.weights],
-                    cwd=tree))
+                    env={_CACHE_ON_FIRST: str(round_index % 2)}, cwd=tree))
             _run_vllm(args, with_vllm, vllm_python, model_dir, f.name, theirs)
     os.unlink(f.name)
     rows = []
