@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PORT ?= 30000
 
-.PHONY: serve test lint bench install clean gpu-bundle
+.PHONY: serve test test-kernels-avx2 lint bench install clean gpu-bundle
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,13 @@ TEST_WORKERS ?= 2
 
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+
+# The kernel tests on the paths an AVX2-only CPU takes (no AVX-512), run on any x86-64-v3 CPU: the
+# kernels built for that level, torch's and oneDNN's dispatch held to AVX2.
+test-kernels-avx2: install
+	RADIXGEN_KERNELS_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -q \
+		tests/models/test_native_ops.py tests/models/test_decode_kernel.py tests/models/test_prefill_kernel.py \
+		tests/models/test_quantized.py tests/models/test_gguf_blocks.py tests/models/test_layers.py
 
 lint: install
 	$(VENV)/bin/ruff check radixgen tests benchmarks examples

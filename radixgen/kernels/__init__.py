@@ -44,10 +44,16 @@ _FUSED_OPS = ("rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul", "small_li
 # at::parallel_for is an OpenMP pragma in a header and runs serially without it; torch ships
 # libgomp.so.1 under the same soname, so the loader reuses torch's runtime (one thread team).
 _CFLAGS = [
-    "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-    "-fno-signed-zeros",
+    "-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
 ]
 _LDFLAGS = ["-fopenmp"]
+# The instruction set the kernels are built for: this CPU's by default. Naming an older one (e.g.
+# x86-64-v3: AVX2 and FMA, no AVX-512) builds and runs the paths such a CPU takes, on this one.
+_MARCH_ENV = "RADIXGEN_KERNELS_MARCH"
+
+
+def _cflags() -> list[str]:
+    return [_CFLAGS[0], f"-march={os.environ.get(_MARCH_ENV) or 'native'}", *_CFLAGS[1:]]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -63,6 +69,12 @@ def source_digest() -> str:
     return digest.hexdigest()[:12]
 
 
+def build_signature() -> str:
+    """The sources and the instruction set of the kernels this process loads: what their timings
+    depend on."""
+    return f"{source_digest()}-{os.environ.get(_MARCH_ENV) or 'native'}"
+
+
 def _build_dir() -> Path:
     """One folder per torch version, machine, kernel sources and compiler flags: torch's builder
     hashes the .cpp files it is given but not the header they share, and a start that finds the
@@ -71,7 +83,7 @@ def _build_dir() -> Path:
 
     from radixgen.paths import cache_dir
 
-    flags = hashlib.sha256(" ".join(_CFLAGS + ["|"] + _LDFLAGS).encode()).hexdigest()[:6]
+    flags = hashlib.sha256(" ".join([*_cflags(), "|", *_LDFLAGS]).encode()).hexdigest()[:6]
     tag = f"torch{torch.__version__.replace('+', '_')}-{platform.machine()}-{source_digest()}-{flags}"
     path = cache_dir() / "kernels" / tag
     path.mkdir(parents=True, exist_ok=True)
@@ -154,7 +166,7 @@ def _load() -> Any:
 
         logger.info("loading the CPU kernels (built on the first start on this machine only)")
         load(
-            name="radixgen_kernels", sources=[str(p) for p in _sources_in(build_dir)], extra_cflags=_CFLAGS,
+            name="radixgen_kernels", sources=[str(p) for p in _sources_in(build_dir)], extra_cflags=_cflags(),
             extra_ldflags=_LDFLAGS, build_directory=str(build_dir), is_python_module=False, verbose=False,
         )
         return _registered()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from radixgen.host_memory import release_freed_memory
-from radixgen.kernels import CpuKernels, source_digest
+from radixgen.kernels import CpuKernels, build_signature
 from radixgen.models.attention.base import AttentionBatch, LayerAttention
 from radixgen.models.attention.cpu import CpuAttention
 from radixgen.models.decoder import CausalLM
@@ -352,7 +353,9 @@ def _cache_key(features: CpuFeatures, model: CausalLM, dtype: torch.dtype, threa
     signature = {
         "cpu": features.model_name, "flags": sorted(features.flags & set(CPU_FLAGS)), "torch": torch.__version__,
         # changed kernels may run faster or offer another implementation: time them again
-        "threads": threads, "kernels": source_digest() if kernels is not None else None, "dtype": str(dtype),
+        "threads": threads, "kernels": build_signature() if kernels is not None else None, "dtype": str(dtype),
+        # torch's and oneDNN's own instruction-set limits change what the timed code runs
+        "isa_limits": [os.environ.get(name) for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")],
         "attention": [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim], "linears": linears,
         "quantized": sorted({(m.out_features, m.in_features, *m.widths) for m in model.modules()
                              if isinstance(m, QuantizedLinear)}),

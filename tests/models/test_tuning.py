@@ -118,6 +118,22 @@ def test_choices_are_measured_once_then_read_from_the_cache(tiny_model: Any, tun
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="the native kernels do not build here")
+def test_kernels_built_or_dispatched_for_another_instruction_set_are_measured_afresh(
+    tiny_model: Any, tuning_cache: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from radixgen import kernels
+
+    native_build = kernels._build_dir()
+    kernel_choices(tiny_model, torch.float32, cpu_kernels(), threads=1, features=AVX2_ONLY)
+    monkeypatch.setenv("RADIXGEN_KERNELS_MARCH", "x86-64-v3")
+    assert "-march=x86-64-v3" in kernels._cflags() and kernels._build_dir() != native_build
+    assert kernel_choices(tiny_model, torch.float32, cpu_kernels(), threads=1, features=AVX2_ONLY).measured
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert kernel_choices(tiny_model, torch.float32, cpu_kernels(), threads=1, features=AVX2_ONLY).measured
+    assert len(list(tuning_cache.glob("*.json"))) == 3
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the native kernels do not build here")
 def test_an_engine_runs_what_was_chosen(
     tiny_model_dir: Path, tuning_cache: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
