@@ -202,7 +202,6 @@ void blocks_avx2(const Activations& a, const uint8_t* __restrict packed, int64_t
   const int64_t groups = a.groups;
   const int32_t* __restrict x32 = reinterpret_cast<const int32_t*>(a.xq);
   const int64_t pairs_per_token = a.k / 2;
-  const __m256i low_nibbles = _mm256_set1_epi16(0x0F);
   for (int64_t b = begin; b < end; ++b) {
     const uint8_t* __restrict block = packed + b * groups * stride;
     __m256 facc[kTokens][2];
@@ -226,29 +225,8 @@ void blocks_avx2(const Activations& a, const uint8_t* __restrict packed, int64_t
                      _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * p + 16))), p, 0);
       } else {
         for (int c = 0; c < 8; ++c) {
-          const __m256i r0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * c)));
-          const __m256i r1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * c + 16)));
-          __m256i lo0 = _mm256_and_si256(r0, low_nibbles), lo1 = _mm256_and_si256(r1, low_nibbles);
-          __m256i hi0 = _mm256_srli_epi16(r0, 4), hi1 = _mm256_srli_epi16(r1, 4);
-          if constexpr (kBits != 4) {
-            constexpr int ex = extra_bits(kBits), h = high_rows(kBits);
-            const uint8_t* high = rec + 256 + (c % h) * 32;
-            const __m128i shift = _mm_cvtsi32_si128((c / h) * 2 * ex);
-            const __m256i h0 = _mm256_srl_epi16(
-                _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high))), shift);
-            const __m256i h1 = _mm256_srl_epi16(
-                _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high + 16))), shift);
-            const __m256i mask = _mm256_set1_epi16((1 << ex) - 1);
-            lo0 = _mm256_or_si256(lo0, _mm256_slli_epi16(_mm256_and_si256(h0, mask), 4));
-            lo1 = _mm256_or_si256(lo1, _mm256_slli_epi16(_mm256_and_si256(h1, mask), 4));
-            hi0 = _mm256_or_si256(hi0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h0, ex), mask), 4));
-            hi1 = _mm256_or_si256(hi1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h1, ex), mask), 4));
-            if constexpr (kBits == 6) {
-              const __m256i offset = _mm256_set1_epi16(32);
-              lo0 = _mm256_sub_epi16(lo0, offset), lo1 = _mm256_sub_epi16(lo1, offset);
-              hi0 = _mm256_sub_epi16(hi0, offset), hi1 = _mm256_sub_epi16(hi1, offset);
-            }
-          }
+          __m256i lo0, lo1, hi0, hi1;
+          nibble_chunk_avx2<kBits>(rec, c, lo0, lo1, hi0, hi1);
           accumulate(lo0, lo1, c, 0);
           accumulate(hi0, hi1, c + 8, kSubs - 1);
         }

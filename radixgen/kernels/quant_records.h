@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -61,6 +61,37 @@ inline void nibble_chunk_avx512(const uint8_t* rec, int c, __m512i& lo, __m512i&
     if constexpr (kBits == 6) {
       const __m512i offset = _mm512_set1_epi16(32);
       lo = _mm512_sub_epi16(lo, offset), hi = _mm512_sub_epi16(hi, offset);
+    }
+  }
+}
+#endif
+
+#if defined(__AVX2__)
+// The same chunk on 256-bit registers, its 16 rows in two halves of 8: lo0 / hi0 rows 0-7, lo1 /
+// hi1 rows 8-15 (lane 2r + j of a half: its row r).
+template <int kBits>
+inline void nibble_chunk_avx2(const uint8_t* rec, int c, __m256i& lo0, __m256i& lo1, __m256i& hi0, __m256i& hi1) {
+  const __m256i low_nibbles = _mm256_set1_epi16(0x0F);
+  const __m256i r0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * c)));
+  const __m256i r1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * c + 16)));
+  lo0 = _mm256_and_si256(r0, low_nibbles), lo1 = _mm256_and_si256(r1, low_nibbles);
+  hi0 = _mm256_srli_epi16(r0, 4), hi1 = _mm256_srli_epi16(r1, 4);
+  if constexpr (kBits != 4) {
+    constexpr int ex = extra_bits(kBits), h = high_rows(kBits);
+    const uint8_t* high = rec + 256 + (c % h) * 32;
+    const __m128i shift = _mm_cvtsi32_si128((c / h) * 2 * ex);
+    const __m256i h0 = _mm256_srl_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high))), shift);
+    const __m256i h1 =
+        _mm256_srl_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high + 16))), shift);
+    const __m256i mask = _mm256_set1_epi16((1 << ex) - 1);
+    lo0 = _mm256_or_si256(lo0, _mm256_slli_epi16(_mm256_and_si256(h0, mask), 4));
+    lo1 = _mm256_or_si256(lo1, _mm256_slli_epi16(_mm256_and_si256(h1, mask), 4));
+    hi0 = _mm256_or_si256(hi0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h0, ex), mask), 4));
+    hi1 = _mm256_or_si256(hi1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h1, ex), mask), 4));
+    if constexpr (kBits == 6) {
+      const __m256i offset = _mm256_set1_epi16(32);
+      lo0 = _mm256_sub_epi16(lo0, offset), lo1 = _mm256_sub_epi16(lo1, offset);
+      hi0 = _mm256_sub_epi16(hi0, offset), hi1 = _mm256_sub_epi16(hi1, offset);
     }
   }
 }

@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <array>
+
 #include "common.h"
 #include "quant_records.h"
 
@@ -60,6 +62,69 @@ void decode_block(const uint8_t* __restrict block, int64_t groups, T* __restrict
         } else {
           store_pair(lo, d, second, true, rows + 2 * c * ld, ld);
           store_pair(hi, d, second, true, rows + (2 * c + 16) * ld, ld);
+        }
+      }
+    }
+  }
+}
+
+#elif defined(__AVX2__)
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+// bf16 rounded to nearest even, as a cast rounds (a weight is never NaN)
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i upper = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(upper), _mm256_extracti128_si256(upper, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// Eight rows' element pairs (int16 lanes, lane 2r + j: row r) into columns 0-7 of tile rows e
+// (j = 0) and e + 1 (j = 1).
+template <typename T>
+inline void store_pairs8(__m256i lanes, __m256 scale, __m256 min, bool with_min, T* row_e, int64_t ld) {
+  const __m256i halves[2] = {_mm256_srai_epi32(_mm256_slli_epi32(lanes, 16), 16), _mm256_srai_epi32(lanes, 16)};
+  for (int j = 0; j < 2; ++j) {
+    const __m256 q = _mm256_cvtepi32_ps(halves[j]);
+    store8(row_e + j * ld, with_min ? _mm256_fmadd_ps(q, scale, min) : _mm256_mul_ps(q, scale));
+  }
+}
+
+template <int kBits, typename T>
+void decode_block(const uint8_t* __restrict block, int64_t groups, T* __restrict tile, int64_t ld) {
+  constexpr int64_t stride = record_bytes(kBits), qbytes = quant_bytes(kBits);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* rec = block + g * stride;
+    T* rows = tile + g * kGroup * ld;
+    auto halves = [](const uint8_t* p) {
+      const __m128i* h = reinterpret_cast<const __m128i*>(p);
+      return std::array<__m256, 2>{_mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1))};
+    };
+    const std::array<__m256, 2> d = halves(rec + qbytes);
+    // 4/5 bits: the minimums; 6 bits: the scales of elements 16..31
+    const std::array<__m256, 2> second = kBits == 8 ? d : halves(rec + qbytes + kScaleBytes);
+    if constexpr (kBits == 8) {
+      for (int p = 0; p < 16; ++p)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * p + 16 * h)));
+          store_pairs8(w, d[h], d[h], false, rows + 2 * p * ld + 8 * h, ld);
+        }
+    } else {
+      for (int c = 0; c < 8; ++c) {
+        __m256i lo[2], hi[2];
+        nibble_chunk_avx2<kBits>(rec, c, lo[0], lo[1], hi[0], hi[1]);
+        for (int h = 0; h < 2; ++h) {
+          T* low_rows = rows + 2 * c * ld + 8 * h;
+          T* high_rows = rows + (2 * c + 16) * ld + 8 * h;
+          if constexpr (kBits == 6) {
+            store_pairs8(lo[h], d[h], d[h], false, low_rows, ld);
+            store_pairs8(hi[h], second[h], second[h], false, high_rows, ld);
+          } else {
+            store_pairs8(lo[h], d[h], second[h], true, low_rows, ld);
+            store_pairs8(hi[h], d[h], second[h], true, high_rows, ld);
+          }
         }
       }
     }
