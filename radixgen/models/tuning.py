@@ -312,9 +312,26 @@ in float32 for a 0.5B) would hold the file's weights several times over, whateve
 timing it (a 150k-row head's dense copy among them) set the start's peak memory."""
 
 
-def _choose_quant_linear(model: CausalLM, dtype: torch.dtype, tokens: int, kernels: CpuKernels | None) -> OpChoice | None:
+_HOPELESS_FACTOR = 16
+"""An implementation this many times slower than the winner at a smaller step size is not timed
+at the larger ones: from 32 to 128 tokens the blocks' cost grows at most 4x while a tile's decode
+stays, so it cannot catch up (bfloat16 tiles on a CPU without bf16 products: ~130x, minutes of
+timing)."""
+
+
+def _hopeless(earlier: OpChoice | None) -> dict[str, str]:
+    """Implementations that lost by ``_HOPELESS_FACTOR`` or more in ``earlier``, with the reason."""
+    if earlier is None or not earlier.times_ms:
+        return {}
+    best = min(earlier.times_ms.values())
+    return {name: f"{ms:.3g} ms against {best:.3g} at {earlier.op}" for name, ms in earlier.times_ms.items()
+            if ms > _HOPELESS_FACTOR * best}
+
+
+def _choose_quant_linear(model: CausalLM, dtype: torch.dtype, tokens: int, kernels: CpuKernels | None,
+                         lost: dict[str, str] | None = None) -> OpChoice | None:
     """The blocks, tiles decoded per step (bfloat16, and float32 for a float32 model), or a dense
-    copy where one is small enough to keep."""
+    copy where one is small enough to keep; none of those in ``lost`` (name: why it is not timed)."""
     linears = _quantized_linears(model)
     if not linears:
         return None
@@ -326,6 +343,9 @@ def _choose_quant_linear(model: CausalLM, dtype: torch.dtype, tokens: int, kerne
     too_large = sum(m.out_features * m.in_features for m in every) * dtype.itemsize > _DENSE_COPY_MAX_BYTES
     implementations.append(Implementation("dense", "a dense copy of every linear would pass "
                                                    f"{_DENSE_COPY_MAX_BYTES >> 20} MiB" if too_large else None))
+    lost = lost or {}
+    implementations = [i if i.unavailable or i.name not in lost else Implementation(i.name, lost[i.name])
+                       for i in implementations]
     inputs = [torch.randn(tokens, m.in_features).to(dtype) for m in linears]
 
     def time_ms(name: str) -> float:
@@ -375,10 +395,14 @@ def measure(model: CausalLM, dtype: torch.dtype, kernels: CpuKernels | None, fea
             choice = _choose_small_linear(model, kernels, tokens)
             if choice is not None:
                 choices.append(choice)
+        lost: dict[str, str] = {}
+        if not features.flags & {"avx512_bf16", "amx_bf16"}:  # oneDNN's bf16 products run emulated, ~100x slower
+            lost["tiles_bfloat16"] = "no bf16 dot-product instructions on this CPU (avx512_bf16, amx_bf16)"
         for tokens in QUANT_STEP_SIZES:
-            choice = _choose_quant_linear(model, dtype, tokens, kernels)
+            choice = _choose_quant_linear(model, dtype, tokens, kernels, lost)
             if choice is not None:
                 choices.append(choice)
+                lost |= _hopeless(choice)
     return KernelChoices(features.label(), choices)
 
 

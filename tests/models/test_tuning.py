@@ -265,3 +265,34 @@ def test_quantized_weights_are_timed_against_a_dense_copy_and_the_engine_says_wh
     assert on_tiles is not None and on_blocks is not None and len(on_tiles) == len(on_blocks) == 79
     assert on_tiles != on_blocks, "the tiles ran (their products round apart from the blocks')"
     assert max(abs(a - b) for a, b in zip(on_tiles, on_blocks, strict=True)) < 1e-2
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the native kernels do not build here")
+def test_an_implementation_hopelessly_slower_at_a_small_step_is_not_timed_at_the_larger_ones(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """bfloat16 tiles where the CPU has no bf16 products: ~130x the blocks at 32 tokens, minutes of
+    timing at the larger sizes; a float32 tile twice the blocks' time is still timed."""
+    from radixgen.models.quantized import QuantizedLinear
+
+    model = load_model(str(tiny_model_dir), weights="int4").model
+    linear = next(m for m in model.modules() if isinstance(m, QuantizedLinear))
+
+    def fake_ms(run: Any, repeats: int = 3) -> float:
+        if linear.tile_min_tokens:
+            return 130.0 if linear.tile_dtype == torch.bfloat16 else 2.0
+        return 200.0 if linear.dense is not None else 1.0
+
+    monkeypatch.setattr(tuning, "_timed_ms", fake_ms)
+    with_bf16 = CpuFeatures("Test CPU", frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    choices = {c.op: c for c in tuning.measure(model, torch.float32, cpu_kernels(), with_bf16).choices}
+    first, *later = (choices[f"quant_linear_{n}_tokens"] for n in tuning.QUANT_STEP_SIZES)
+    assert set(first.times_ms) == {"blocks", "tiles_bfloat16", "tiles_float32", "dense"}
+    for choice in later:
+        assert set(choice.times_ms) == {"blocks", "tiles_float32"}, choice
+        assert "130 ms against 1 at quant_linear_32_tokens" in choice.skipped["tiles_bfloat16"]
+        assert "dense" in choice.skipped
+    # without bf16 products the bf16 tiles are not timed at all
+    for choice in tuning.measure(model, torch.float32, cpu_kernels(), AVX2_ONLY).choices:
+        if choice.op.startswith("quant_linear"):
+            assert "no bf16 dot-product" in choice.skipped["tiles_bfloat16"]
