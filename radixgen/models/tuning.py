@@ -290,20 +290,25 @@ def _choose_small_linear(model: CausalLM, kernels: CpuKernels | None, tokens: in
     return choose(f"linear_{tokens}_token", implementations, time_ms)
 
 
-QUANT_STEP_SIZES = (32, 64, 128)
+QUANT_STEP_SIZES = (32, 64, 128, 512)
 """Step sizes (tokens) at which a quantized model's linears are timed on the blocks against tiles
-decoded per step and a dense copy: decode batches of 32 and 64, a prefill chunk."""
+decoded per step and a dense copy: decode batches of 32, 64 and 128, a prefill chunk of 512."""
 _QUANT_TIMED_LAYERS = 4
-"""Layers timed (with the LM head): at these sizes the step is compute-bound, so a few layers
-rank the implementations as the whole model would."""
+"""Layers timed (with the LM head up to ``_HEAD_MAX_TOKENS``): at these sizes the step is
+compute-bound, so a few layers rank the implementations as the whole model would."""
+_HEAD_MAX_TOKENS = 128
+"""The largest step size timed with the LM head: a prefill runs the head for one row per request,
+so a prefill chunk's timing leaves it out (AVX2: the 8-bit head's blocks beat float32 tiles at
+every size while the layers' 5- and 6-bit blocks lose to them at 512 tokens, and with the
+152k-row head in the timing the blocks won there too)."""
 
 
-def _quantized_linears(model: CausalLM) -> list[QuantizedLinear]:
+def _quantized_linears(model: CausalLM, tokens: int) -> list[QuantizedLinear]:
     layers = model.decoder_layers()[:_QUANT_TIMED_LAYERS]
     found = [m for layer in layers for m in layer.modules() if isinstance(m, QuantizedLinear)]
     head = model.lm_head if isinstance(model.lm_head, QuantizedLinear) else (
         model.quantized_embed.head if model.quantized_embed is not None else None)
-    return found + ([head] if head is not None else [])
+    return found + ([head] if head is not None and tokens <= _HEAD_MAX_TOKENS else [])
 
 
 _DENSE_COPY_MAX_BYTES = 768 << 20
@@ -312,27 +317,27 @@ in float32 for a 0.5B) would hold the file's weights several times over, whateve
 timing it (a 150k-row head's dense copy among them) set the start's peak memory."""
 
 
-_HOPELESS_FACTOR = 16
-"""An implementation this many times slower than the winner at a smaller step size is not timed
-at the larger ones: from 32 to 128 tokens the blocks' cost grows at most 4x while a tile's decode
-stays, so it cannot catch up (bfloat16 tiles on a CPU without bf16 products: ~130x, minutes of
-timing)."""
-
-
-def _hopeless(earlier: OpChoice | None) -> dict[str, str]:
-    """Implementations that lost by ``_HOPELESS_FACTOR`` or more in ``earlier``, with the reason."""
-    if earlier is None or not earlier.times_ms:
-        return {}
-    best = min(earlier.times_ms.values())
-    return {name: f"{ms:.3g} ms against {best:.3g} at {earlier.op}" for name, ms in earlier.times_ms.items()
-            if ms > _HOPELESS_FACTOR * best}
+def _hopeless(earlier: list[OpChoice], tokens: int) -> dict[str, str]:
+    """Implementations that cannot win at ``tokens`` by what they took at a smaller size: one
+    ``r`` times slower than the winner at ``n`` tokens is not timed at ``tokens`` if r exceeds
+    twice tokens / n, since the winner's cost grows at most in proportion to the tokens and
+    another's does not shrink (twice: room for timing noise). bfloat16 tiles on a CPU without bf16
+    products: ~130x, minutes of timing."""
+    lost: dict[str, str] = {}
+    for choice in earlier:
+        if not choice.times_ms:
+            continue
+        best, ratio = min(choice.times_ms.values()), 2 * tokens / int(choice.op.split("_")[2])
+        lost |= {name: f"{ms:.3g} ms against {best:.3g} at {choice.op}" for name, ms in choice.times_ms.items()
+                 if ms > ratio * best}
+    return lost
 
 
 def _choose_quant_linear(model: CausalLM, dtype: torch.dtype, tokens: int, kernels: CpuKernels | None,
                          lost: dict[str, str] | None = None) -> OpChoice | None:
     """The blocks, tiles decoded per step (bfloat16, and float32 for a float32 model), or a dense
     copy where one is small enough to keep; none of those in ``lost`` (name: why it is not timed)."""
-    linears = _quantized_linears(model)
+    linears = _quantized_linears(model, tokens)
     if not linears:
         return None
     every = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
@@ -398,11 +403,12 @@ def measure(model: CausalLM, dtype: torch.dtype, kernels: CpuKernels | None, fea
         lost: dict[str, str] = {}
         if not features.flags & {"avx512_bf16", "amx_bf16"}:  # oneDNN's bf16 products run emulated, ~100x slower
             lost["tiles_bfloat16"] = "no bf16 dot-product instructions on this CPU (avx512_bf16, amx_bf16)"
+        timed: list[OpChoice] = []
         for tokens in QUANT_STEP_SIZES:
-            choice = _choose_quant_linear(model, dtype, tokens, kernels, lost)
+            choice = _choose_quant_linear(model, dtype, tokens, kernels, lost | _hopeless(timed, tokens))
             if choice is not None:
-                choices.append(choice)
-                lost |= _hopeless(choice)
+                timed.append(choice)
+        choices += timed
     return KernelChoices(features.label(), choices)
 
 
