@@ -135,11 +135,17 @@ class KernelChoices:
 
     def quant_large_steps(self) -> tuple[str, int] | None:
         """How a quantized model's large steps run: (the implementation chosen at the largest
-        timed step size, ``dense`` or ``tiles_<dtype>``; the smallest timed size from which it won
-        at every larger one), or None where the blocks won at the largest size."""
+        timed decode-batch size, ``dense`` or ``tiles_<dtype>``; the smallest timed size from which
+        it won at every larger one), or None where the blocks won there. Where they did, the
+        prefill chunk's winner serves steps of that chunk's size and more."""
         sizes = sorted(int(c.op.split("_")[2]) for c in self.choices if c.op.startswith("quant_linear_"))
-        if not sizes:
-            return None
+        decode = [size for size in sizes if size <= _HEAD_MAX_TOKENS]
+        if decode and (found := self._won_throughout(decode)) is not None:
+            return found
+        chunk = [size for size in sizes if size > _HEAD_MAX_TOKENS]
+        return self._won_throughout(chunk) if chunk else None
+
+    def _won_throughout(self, sizes: list[int]) -> tuple[str, int] | None:
         winner = self.chosen(f"quant_linear_{sizes[-1]}_tokens", "blocks")
         if winner == "blocks":
             return None

@@ -194,7 +194,7 @@ def test_radixgen_tune_prints_and_caches_the_choices(
 def test_large_steps_run_from_the_smallest_size_where_the_largest_sizes_winner_won_throughout() -> None:
     def choices(*chosen: str) -> KernelChoices:
         return KernelChoices("cpu", [OpChoice(f"quant_linear_{size}_tokens", name)
-                                     for size, name in zip((32, 64, 128), chosen, strict=True)])
+                                     for size, name in zip((32, 64, 128, 512)[:len(chosen)], chosen, strict=True)])
 
     assert choices("dense", "dense", "dense").quant_large_steps() == ("dense", 32)
     assert choices("blocks", "tiles_bfloat16", "tiles_bfloat16").quant_large_steps() == ("tiles_bfloat16", 64)
@@ -202,6 +202,12 @@ def test_large_steps_run_from_the_smallest_size_where_the_largest_sizes_winner_w
     assert choices("dense", "dense", "blocks").quant_large_steps() is None
     assert choices("blocks", "blocks", "blocks").quant_large_steps() is None
     assert KernelChoices("cpu", []).quant_large_steps() is None  # float weights: nothing timed
+    # the prefill chunk (512, timed without the head) counts only where the blocks won the decode sizes
+    assert choices("blocks", "blocks", "blocks", "tiles_float32").quant_large_steps() == ("tiles_float32", 512)
+    assert choices("blocks", "tiles_bfloat16", "tiles_bfloat16", "tiles_float32").quant_large_steps() == \
+        ("tiles_bfloat16", 64)
+    assert choices("dense", "dense", "dense", "dense").quant_large_steps() == ("dense", 32)
+    assert choices("blocks", "blocks", "blocks", "blocks").quant_large_steps() is None
 
 
 def test_a_quantized_linear_runs_large_steps_on_its_dense_copy_and_small_ones_on_its_blocks(
