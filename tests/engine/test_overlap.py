@@ -69,7 +69,9 @@ def test_stop_strings_penalties_and_logprobs_equal_the_sequential_loop(make_engi
     want = sequential.generate(prompts, params)
     got = overlapped.generate(prompts, params)
     assert [(o.text, o.token_ids) for o in got] == [(o.text, o.token_ids) for o in want]
-    assert got[2].logprobs == want[2].logprobs
+    # the same tokens' logprobs; the rows beside a request in a step may differ between the loops,
+    # and a float linear's sums with them (1e-7 relative was seen)
+    assert got[2].logprobs == pytest.approx(want[2].logprobs, rel=1e-5, abs=1e-6)
     assert got[0].finish_reason is FinishReason.STOP
 
 
