@@ -52,8 +52,12 @@ _LDFLAGS = ["-fopenmp"]
 _MARCH_ENV = "RADIXGEN_KERNELS_MARCH"
 
 
+def _march() -> str:
+    return os.environ.get(_MARCH_ENV) or "native"
+
+
 def _cflags() -> list[str]:
-    return [_CFLAGS[0], f"-march={os.environ.get(_MARCH_ENV) or 'native'}", *_CFLAGS[1:]]
+    return [*_CFLAGS, f"-march={_march()}"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -72,7 +76,7 @@ def source_digest() -> str:
 def build_signature() -> str:
     """The sources and the instruction set of the kernels this process loads: what their timings
     depend on."""
-    return f"{source_digest()}-{os.environ.get(_MARCH_ENV) or 'native'}"
+    return f"{source_digest()}-{_march()}"
 
 
 def _build_dir() -> Path:

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -71,6 +71,19 @@ inline __m256i narrow_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 #endif
 }
+#endif
+
+#if defined(__AVX2__)
+// 8 floats -> 8 bf16 values, rounded as narrow_bf16 rounds.
+inline __m128i narrow_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+}
+#endif
+
+#if defined(__AVX512F__)
 
 // 16 lanes of a float / bf16 / fp16 array as floats, and back (rounded to nearest even).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }

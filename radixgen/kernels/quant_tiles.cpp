@@ -74,11 +74,7 @@ inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 
 // bf16 rounded to nearest even, as a cast rounds (a weight is never NaN)
 inline void store8(c10::BFloat16* p, __m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i upper = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(upper), _mm256_extracti128_si256(upper, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), radixgen::narrow_bf16(v));
 }
 
 // Eight rows' element pairs (int16 lanes, lane 2r + j: row r) into columns 0-7 of tile rows e
