@@ -1,13 +1,19 @@
 """A request's n-gram drafting state (speculative.py drafts and verifies with it): an index of
-where each recent n-gram of its tokens last occurred, and how much it drafts next."""
+where each recent n-gram of its tokens last occurred, the prompt's text for copies the index cannot
+see, and how much it drafts next."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _MIN_MATCH = 2
 # Only the most recent tokens are indexed: a draft comes from the latest occurrence anyway.
 _INDEX_WINDOW = 4096
+# A text copy needs this many characters of the output found in the prompt: fewer match by chance.
+_TEXT_MIN_MATCH = 3
+_TEXT_MAX_MATCH = 32
+_TEXT_CHARS_PER_TOKEN = 8  # prompt text read per token to draft (a token is rarely longer)
 
 
 @dataclass
@@ -46,6 +52,29 @@ class NgramIndex:
         return [], -1
 
 
+def prompt_text_continuation(prompt_text: str, tail: str, k: int, encode: Callable[[str], list[int]]) -> list[int]:
+    """Up to ``k`` tokens of the prompt text that follows the longest suffix of ``tail`` (the
+    output's last characters) found in it, at least ``_TEXT_MIN_MATCH`` characters long.
+
+    An answer that copies a name or a number from the prompt often starts it inside another
+    token than the prompt did (``"INV`` after a quote, `` INV`` in the prompt), and the token index
+    finds nothing until the two tokenizations agree again; the text still matches. The tokens
+    are the continuation's own tokenization, which is how a model usually writes it."""
+    end = -1
+    for n in range(_TEXT_MIN_MATCH, min(len(tail), _TEXT_MAX_MATCH) + 1):
+        at = prompt_text.rfind(tail[-n:])
+        if at < 0:
+            break  # a longer suffix contains this one: it is not there either
+        end = at + n
+    if end < 0 or end == len(prompt_text):
+        return []
+    span = prompt_text[end : end + k * _TEXT_CHARS_PER_TOKEN]
+    ids = encode(span)
+    if end + len(span) < len(prompt_text):
+        ids = ids[:-1]  # the span may end inside a word: its last token would not be the model's
+    return ids[:k]
+
+
 @dataclass
 class DraftState:
     """A speculating request's drafting state."""
@@ -58,7 +87,10 @@ class DraftState:
     draft_forced: int = 0
     """How many of them lead the draft as the constraint's forced text."""
     draft_source: str = "ngram"
-    """Where the rest came from: copied (a span of the prompt) or ngram (of the output)."""
+    """Where the rest came from: copied (a span of the prompt, by tokens or by text) or ngram
+    (of the output)."""
+    prompt_text: str | None = None
+    """The prompt's recent text, decoded when a text copy is first looked for."""
     length: int = 2
     """How many guessed tokens to draft next (forced text comes on top): doubled after a guess
     accepted whole, otherwise one more than the last guess's accepted part (a drafted position

@@ -4,8 +4,9 @@ A request's next tokens are often a copy of tokens it has seen (extraction copie
 prompt's names and numbers, a repeated answer repeats itself). Before a decode step, such a
 request looks up its last n tokens (the longest n that matches, up to ``speculative_ngram_max``)
 in an index of its own prompt and output, and drafts the tokens that followed their latest
-earlier occurrence; a constrained request's draft is cut at the first token its automaton
-would reject. The step then feeds the request's newest token and its k drafts as one extend
+earlier occurrence; where no tokens match, the text of its last tokens is looked up in the
+prompt's text and the text after it drafted (a copy that starts inside another token than the
+prompt's); a constrained request's draft is cut at the first token its automaton would reject. The step then feeds the request's newest token and its k drafts as one extend
 (the planner's speculative rows) and takes the logits after each of them. Verification keeps
 the longest prefix of the draft that equals the model's own choice at each position (under the
 constraint's mask) and adds the model's choice after it; the slots of rejected drafts are
@@ -37,7 +38,7 @@ import torch
 from radixgen.config import EngineConfig
 from radixgen.constraints.backend import Matcher
 from radixgen.engine.constrained import forced_token_ids, mask_logits, walk_masks
-from radixgen.engine.ngram import DraftState, NgramIndex
+from radixgen.engine.ngram import DraftState, NgramIndex, prompt_text_continuation
 from radixgen.engine.plan import StepPlan
 from radixgen.engine.request import Request
 from radixgen.engine.sampler import (
@@ -57,6 +58,9 @@ _GIVE_UP_BELOW = 0.2
 _OWN_RECORD_AFTER = 8  # drafted tokens after which a request's own acceptance stands for it
 _COST_WINDOW = 64  # the latest steps per batch-size bucket that the step-time fit reads
 _REFIT_AFTER = 8  # new steps in a bucket after which its standing fit is computed again
+# A text copy looks up the output's last few tokens' text in the prompt's latest tokens' text.
+_TAIL_TOKENS = 8
+_TEXT_WINDOW_TOKENS = 4096
 
 
 @dataclass
@@ -267,7 +271,10 @@ class NgramDrafter:
             # forced text is drafted whole (the grammar writes nothing else there, so it is lost
             # only where the model splits it into other tokens); a guess, at its adaptive length
             forced = self._forced(constraint.matcher, min(room, self.max_draft)) if constraint is not None else []
-            proposed, found_at = state.index.propose_from(tokens + forced, min(state.length, room - len(forced)))
+            guess = min(state.length, room - len(forced))
+            proposed, found_at = state.index.propose_from(tokens + forced, guess)
+            if not proposed and guess > 0:
+                proposed, found_at = self._copied_text(req, state, tokens + forced, guess), 0
             draft = forced + proposed
             if draft and constraint is not None:
                 draft = _grammatical_prefix(constraint.matcher, draft)
@@ -278,6 +285,19 @@ class NgramDrafter:
                 drafts[req] = draft
                 budget -= len(draft)
         return drafts
+
+    def _copied_text(self, req: Request, state: DraftState, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens of the prompt's text after the output's last characters, where the
+        token index found no match (``ngram.prompt_text_continuation``)."""
+        if self.tokenizer is None:
+            return []
+        if state.prompt_text is None:
+            state.prompt_text = self.tokenizer.decode(req.prompt_ids[-_TEXT_WINDOW_TOKENS:])
+        tail = self.tokenizer.decode(tokens[max(req.prompt_len, len(tokens) - _TAIL_TOKENS) :])
+        return prompt_text_continuation(state.prompt_text, tail, k, self._encode)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _forced(self, matcher: Matcher, room: int) -> list[int]:
         """The tokens of the text the request's automaton forces next (jump-forward's text, here

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from radixgen import Engine, SamplingParams
-from radixgen.engine.ngram import NgramIndex
+from radixgen.engine.ngram import NgramIndex, prompt_text_continuation
 
 # prompts the tiny model continues with runs of repeated tokens (so drafts are accepted) and
 # with turns (so some are rejected)
@@ -37,6 +37,48 @@ def test_the_index_finds_the_latest_earlier_occurrence_of_the_longest_suffix() -
     lone = NgramIndex(max_n=3)
     lone.update([4, 5, 6])
     assert lone.propose([4, 5, 6], 3) == [], "the suffix itself is not an earlier occurrence"
+
+
+def test_a_text_copy_continues_after_the_longest_suffix_found_in_the_prompt_text() -> None:
+    def chars(text: str) -> list[int]:  # one token per character
+        return [ord(c) for c in text]
+
+    prompt = "ref X1-77 then ab X1-42, done"
+    # the longest suffix found ("ab X1-" over "X1-") decides where, its latest occurrence too
+    assert prompt_text_continuation(prompt, '"ab X1-', 2, chars) == chars("42")
+    assert prompt_text_continuation(prompt, '"X1-', 2, chars) == chars("42")
+    assert prompt_text_continuation(prompt, "ref X1-", 3, chars) == chars("77 ")
+    assert prompt_text_continuation(prompt, "qX1-", 2, chars) == chars("42"), "three characters match"
+    assert prompt_text_continuation(prompt, "q1-", 2, chars) == [], "two do not"
+    assert prompt_text_continuation(prompt, "done", 2, chars) == [], "nothing follows the prompt's end"
+
+    def words(text: str) -> list[int]:  # one token per word: the span's last one may be cut
+        return [len(w) for w in text.split(" ")]
+
+    assert prompt_text_continuation("a bcd efghij klmnopqrstuvwxyz0123", "bcd", 3, words) == [0, 6], \
+        "a word the span cuts is left out"
+    assert prompt_text_continuation("a bcd efghij klm", "bcd", 3, words) == [0, 6, 3], "the prompt's last word is whole"
+
+
+@pytest.mark.real_model
+def test_a_copy_that_starts_inside_another_token_is_drafted_from_the_prompt_text(real_engine: Engine) -> None:
+    """An answer that starts a copied id after a quote tokenizes it otherwise than the prompt did:
+    the token index finds no match, the prompt's text does, and the draft is its tokens."""
+    from radixgen.config import EngineConfig
+    from radixgen.engine.request import Request
+    from radixgen.engine.speculative import NgramDrafter
+
+    tok = real_engine.tokenizer
+    prompt = tok.encode("Invoice INV-20931 dated 2024-03-04 from Nordlicht Bakery GmbH.", add_special_tokens=False)
+    answer = tok.encode('{"id": "INV', add_special_tokens=False)
+    req = Request("copy", prompt, SamplingParams(max_new_tokens=32, speculative=True), rng_seed=0)
+    req.output_ids = list(answer)
+    drafter = NgramDrafter(EngineConfig(speculative="ngram"), max_context_len=1024)
+    drafter.tokenizer = tok
+    drafts = drafter.draft([req])
+    assert req.speculation is not None and req.speculation.draft_source == "copied"
+    assert req.speculation.index.propose(req.all_ids(), 2) == [], "the tokens alone match nothing"
+    assert tok.decode(drafts[req]) == "-2"  # the continuation, as long as the request's guesses
 
 
 def test_drafts_must_be_accepted_as_often_as_they_cost_at_the_batch_size() -> None:
