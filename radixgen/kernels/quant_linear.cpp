@@ -33,7 +33,8 @@
 // (greedy outputs are the same alone and in a batch, and a speculative step's extend reproduces
 // the decode step's logits bit for bit).
 //
-// Paths: AVX-512 VNNI (vpdpwssd), AVX2 (madd_epi16 on the same layout, 8 rows per register), and
+// Paths: AVX-512 VNNI (vpdpwssd), AVX2 (madd_epi16 on the same layout, 8 rows per register; 5-
+// and 6-bit records first widened to int8 where a call has more than one pass of tokens), and
 // plain loops. Every step size takes this path: up to 12 tokens per pass over a few blocks held in
 // cache, so a prefill reads its activations, not the weights, many times.
 #include <ATen/ATen.h>
@@ -43,6 +44,7 @@
 #include "common.h"
 #include "quant_records.h"
 
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -192,53 +194,73 @@ constexpr Blocks kBlocks512[] = {nullptr,
 #if defined(__AVX2__)
 
 // The same arithmetic on 256-bit registers: a chunk's 16 rows as two halves of 8, madd_epi16 (16
-// products summed in pairs) then an add in place of vpdpwssd. 6 bits: the group's two halves have scales of their own, so each keeps
-// integer sums of its own.
-template <int kBits, int kTokens>
+// products summed in pairs) then an add in place of vpdpwssd. 6 bits: the group's two halves have
+// scales of their own, so each keeps integer sums of its own. kWide: ``packed`` holds blocks
+// [begin, end) as ``widen_avx2`` rewrote them.
+template <int kBits, int kTokens, bool kWide = false>
 void blocks_avx2(const Activations& a, const uint8_t* __restrict packed, int64_t n, int64_t begin, int64_t end,
                  float* __restrict out) {
-  constexpr int64_t stride = record_bytes(kBits), qbytes = quant_bytes(kBits);
+  constexpr int64_t stride = kWide ? wide_record_bytes(kBits) : record_bytes(kBits);
+  constexpr int64_t qbytes = kWide ? kWideQuantBytes : quant_bytes(kBits);
   constexpr int kSubs = kBits == 6 ? 2 : 1;
   const int64_t groups = a.groups;
   const int32_t* __restrict x32 = reinterpret_cast<const int32_t*>(a.xq);
   const int64_t pairs_per_token = a.k / 2;
   for (int64_t b = begin; b < end; ++b) {
-    const uint8_t* __restrict block = packed + b * groups * stride;
+    const uint8_t* __restrict block = packed + (kWide ? b - begin : b) * groups * stride;
     __m256 facc[kTokens][2];
     for (int t = 0; t < kTokens; ++t) facc[t][0] = facc[t][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* __restrict rec = block + g * stride;
-      __m256i iacc[kTokens][2][kSubs];
-      for (int t = 0; t < kTokens; ++t)
-        for (int s = 0; s < kSubs; ++s) iacc[t][0][s] = iacc[t][1][s] = _mm256_setzero_si256();
+      // integer sums held at once: one set per half for 6 bits, except widened, where the first
+      // half's are folded into the floats before the second's begin (fewer registers, same sums)
+      constexpr int kHeld = kWide ? 1 : kSubs;
+      __m256i iacc[kTokens][2][kHeld];
+      auto zero = [&] {
+        for (int t = 0; t < kTokens; ++t)
+          for (int s = 0; s < kHeld; ++s) iacc[t][0][s] = iacc[t][1][s] = _mm256_setzero_si256();
+      };
       const int32_t* __restrict xg = x32 + g * (kGroup / 2);
-      auto accumulate = [&](const __m256i w_low_rows, const __m256i w_high_rows, int pair, int sub) {
+      auto accumulate = [&](const __m256i w_low_rows, const __m256i w_high_rows, int pair, int held) {
         for (int t = 0; t < kTokens; ++t) {
           const __m256i x = _mm256_set1_epi32(xg[t * pairs_per_token + pair]);
-          iacc[t][0][sub] = _mm256_add_epi32(iacc[t][0][sub], _mm256_madd_epi16(w_low_rows, x));
-          iacc[t][1][sub] = _mm256_add_epi32(iacc[t][1][sub], _mm256_madd_epi16(w_high_rows, x));
+          iacc[t][0][held] = _mm256_add_epi32(iacc[t][0][held], _mm256_madd_epi16(w_low_rows, x));
+          iacc[t][1][held] = _mm256_add_epi32(iacc[t][1][held], _mm256_madd_epi16(w_high_rows, x));
         }
       };
-      if constexpr (kBits == 8) {
-        for (int p = 0; p < 16; ++p)
-          accumulate(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * p))),
-                     _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * p + 16))), p, 0);
-      } else {
-        for (int c = 0; c < 8; ++c) {
-          __m256i lo0, lo1, hi0, hi1;
-          nibble_chunk_avx2<kBits>(rec, c, lo0, lo1, hi0, hi1);
-          accumulate(lo0, lo1, c, 0);
-          accumulate(hi0, hi1, c + 8, kSubs - 1);
-        }
-      }
-      for (int s = 0; s < kSubs; ++s) {
+      auto int8_pair = [&](int p) {  // pair p: elements 2p, 2p + 1 of the 16 rows
+        accumulate(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * p))),
+                   _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * p + 16))), p, 0);
+      };
+      auto fold = [&](int s, int held) {  // sums times the scales of part s (6 bits: half s)
         const __m128i* scales = reinterpret_cast<const __m128i*>(rec + qbytes + s * kScaleBytes);
         const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128(scales)), _mm256_cvtph_ps(_mm_loadu_si128(scales + 1))};
         for (int t = 0; t < kTokens; ++t) {
           const __m256 xd = _mm256_set1_ps(a.xd[t * groups + g]);
           for (int h = 0; h < 2; ++h)
-            facc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[t][h][s]), _mm256_mul_ps(d[h], xd), facc[t][h]);
+            facc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[t][h][held]), _mm256_mul_ps(d[h], xd), facc[t][h]);
         }
+      };
+      zero();
+      if constexpr (kWide) {
+        constexpr int kPairsPerSub = 16 / kSubs;
+        for (int s = 0; s < kSubs; ++s) {
+          if (s > 0) zero();
+          for (int p = s * kPairsPerSub; p < (s + 1) * kPairsPerSub; ++p) int8_pair(p);
+          fold(s, 0);
+        }
+      } else {
+        if constexpr (kBits == 8) {
+          for (int p = 0; p < 16; ++p) int8_pair(p);
+        } else {
+          for (int c = 0; c < 8; ++c) {
+            __m256i lo0, lo1, hi0, hi1;
+            nibble_chunk_avx2<kBits>(rec, c, lo0, lo1, hi0, hi1);
+            accumulate(lo0, lo1, c, 0);
+            accumulate(hi0, hi1, c + 8, kSubs - 1);
+          }
+        }
+        for (int s = 0; s < kSubs; ++s) fold(s, s);
       }
       if constexpr (has_min(kBits)) {
         const __m128i* mins = reinterpret_cast<const __m128i*>(rec + qbytes + kScaleBytes);
@@ -267,6 +289,31 @@ void blocks_avx2(const Activations& a, const uint8_t* __restrict packed, int64_t
 constexpr int64_t kPassAvx2 = 2;  // 2 tokens x (2 integer + 2 float accumulators) + 4 weights: 16 registers
 template <int kBits>
 constexpr Blocks kBlocksAvx2[] = {nullptr, blocks_avx2<kBits, 1>, blocks_avx2<kBits, 2>};
+template <int kBits>
+constexpr Blocks kWideBlocksAvx2[] = {nullptr, blocks_avx2<kBits, 1, true>, blocks_avx2<kBits, 2, true>};
+
+// Blocks [begin, end) of 5- or 6-bit records rewritten for passes of two tokens: joining a chunk's
+// high bits costs more than its products, so with more tokens than a pass the values are joined
+// once into the 8-bit records' layout (chunk p: element pair p of the 16 rows, as int8; 6 bits:
+// q - 32) and each pass reads them with one load; the float16 part follows, as in the record.
+template <int kBits>
+void widen_avx2(const uint8_t* __restrict packed, int64_t groups, int64_t begin, int64_t end, uint8_t* __restrict wide) {
+  constexpr int64_t stride = record_bytes(kBits), qbytes = quant_bytes(kBits), tail = stride - qbytes;
+  for (int64_t i = 0; i < (end - begin) * groups; ++i) {
+    const uint8_t* __restrict rec = packed + (begin * groups + i) * stride;
+    uint8_t* __restrict to = wide + i * wide_record_bytes(kBits);
+    for (int c = 0; c < 8; ++c) {
+      __m256i lo0, lo1, hi0, hi1;
+      nibble_chunk_avx2<kBits>(rec, c, lo0, lo1, hi0, hi1);
+      // packs interleaves the halves' 128-bit lanes; the permute puts rows 0-7 before rows 8-15
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 32 * c),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi16(lo0, lo1), 0xD8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 32 * (c + 8)),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi16(hi0, hi1), 0xD8));
+    }
+    std::memcpy(to + kWideQuantBytes, rec + qbytes, tail);
+  }
+}
 
 #else
 
@@ -305,13 +352,24 @@ constexpr Blocks kBlocksPlain[] = {nullptr, blocks_plain<kBits, 1>};
 
 #endif
 
-// The block functions for a record width, by tokens per pass (index 1..pass).
+// The block functions for a record width, by tokens per pass (index 1..pass), and where the
+// records are first rewritten for them (``widen``: blocks [begin, end) into a buffer of
+// ``wide_bytes`` per block; null: they read the records as they are).
+using Widen = void (*)(const uint8_t*, int64_t, int64_t, int64_t, uint8_t*);
 struct Kernel {
   const Blocks* table;
   int64_t pass;
+  Widen widen = nullptr;
+  int64_t wide_bytes = 0;
 };
 
-Kernel kernel_for(int64_t bits) {
+Kernel kernel_for(int64_t bits, int64_t tokens, int64_t groups) {
+#if defined(__AVX2__) && !defined(RADIXGEN_QUANT_AVX512)
+  if (tokens > kPassAvx2 && bits == 5) return {kWideBlocksAvx2<5>, kPassAvx2, widen_avx2<5>, groups * wide_record_bytes(5)};
+  if (tokens > kPassAvx2 && bits == 6) return {kWideBlocksAvx2<6>, kPassAvx2, widen_avx2<6>, groups * wide_record_bytes(6)};
+#else
+  (void)tokens, (void)groups;
+#endif
 #if defined(RADIXGEN_QUANT_AVX512)
   switch (bits) {
     case 4: return {kBlocks512<4>, kPass512};
@@ -367,19 +425,26 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   const float* xsp = xs.data();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  const Kernel kernel = kernel_for(bits);
+  const Kernel kernel = kernel_for(bits, tokens, groups);
   const int64_t blocks = packed.size(0), block_bytes = groups * record_bytes(bits);
   // tasks of a few tens of KB of weights; within a task, a few blocks at a time go through every
   // pass of tokens while their records are in L1/L2
   const int64_t grain = std::max<int64_t>(1, 32768 / block_bytes);
   const int64_t tile = std::max<int64_t>(1, 24576 / block_bytes);
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint8_t> wide;
     for (int64_t b = begin; b < end; b += tile) {
       const int64_t b_end = std::min(end, b + tile);
+      const uint8_t* records = pp;
+      if (kernel.widen != nullptr) {
+        wide.resize(tile * kernel.wide_bytes);
+        kernel.widen(pp, groups, b, b_end, wide.data());
+        records = wide.data();
+      }
       for (int64_t t = 0; t < tokens; t += kernel.pass) {
         const int64_t count = std::min(kernel.pass, tokens - t);
         const Activations a{xqp + t * k, xdp + t * groups, xsp + t * groups, k, groups};
-        kernel.table[count](a, pp, n, b, b_end, op + t * n);
+        kernel.table[count](a, records, n, b, b_end, op + t * n);
       }
     }
   });
