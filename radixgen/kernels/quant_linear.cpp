@@ -33,9 +33,9 @@
 // (greedy outputs are the same alone and in a batch, and a speculative step's extend reproduces
 // the decode step's logits bit for bit).
 //
-// Paths: AVX-512 VNNI (vpdpwssd), AVX2 (madd_epi16 on the same layout, 8 rows per register; 5-
-// and 6-bit records first widened to int8 where a call has more than one pass of tokens), and
-// plain loops. Every step size takes this path: up to 12 tokens per pass over a few blocks held in
+// Paths: AVX-512 VNNI (vpdpwssd), AVX2 (madd_epi16 on the same layout, 8 rows per register), and
+// plain loops. Where a call has more tokens than a pass, 5- (AVX2) and 6-bit records are first
+// widened to int8 once. Every step size takes this path: up to 12 tokens per pass over a few blocks held in
 // cache, so a prefill reads its activations, not the weights, many times.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -115,17 +115,19 @@ using Blocks = void (*)(const Activations&, const uint8_t*, int64_t, int64_t, in
 // Blocks [begin, end) of 16 rows against kTokens tokens. kSplit integer accumulators per token
 // (two where few tokens leave the multiply-adds' latency exposed): integer sums are exact, so the
 // split does not change a result. 6 bits: always two, one per half of the group (each half has
-// its scale).
-template <int kBits, int kTokens>
+// its scale), except widened (kWide: ``packed`` holds blocks [begin, end) as ``widen_avx512``
+// rewrote them), where the first half's sums are folded into the floats before the second's begin.
+template <int kBits, int kTokens, bool kWide = false>
 void blocks_avx512(const Activations& a, const uint8_t* __restrict packed, int64_t n, int64_t begin, int64_t end,
                    float* __restrict out) {
-  constexpr int kSplit = kBits == 6 || kTokens <= 4 ? 2 : 1;
-  constexpr int64_t stride = record_bytes(kBits), qbytes = quant_bytes(kBits);
+  constexpr int kSplit = (kBits == 6 && !kWide) || kTokens <= 4 ? 2 : 1;
+  constexpr int64_t stride = kWide ? wide_record_bytes(kBits) : record_bytes(kBits);
+  constexpr int64_t qbytes = kWide ? kWideQuantBytes : quant_bytes(kBits);
   const int64_t groups = a.groups;
   const int32_t* __restrict x32 = reinterpret_cast<const int32_t*>(a.xq);  // element pairs
   const int64_t pairs_per_token = a.k / 2;
   for (int64_t b = begin; b < end; ++b) {
-    const uint8_t* __restrict block = packed + b * groups * stride;
+    const uint8_t* __restrict block = packed + (kWide ? b - begin : b) * groups * stride;
     __m512 facc[kTokens];
     for (int t = 0; t < kTokens; ++t) facc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
@@ -136,12 +138,34 @@ void blocks_avx512(const Activations& a, const uint8_t* __restrict packed, int64
       for (int t = 0; t < kTokens; ++t)
         for (int s = 0; s < kSplit; ++s) iacc[t][s] = _mm512_setzero_si512();
       const int32_t* __restrict xg = x32 + g * (kGroup / 2);
-      if constexpr (kBits == 8) {
-        for (int p = 0; p < 16; ++p) {
-          const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * p)));
-          for (int t = 0; t < kTokens; ++t)
-            iacc[t][p % kSplit] = _mm512_dpwssd_epi32(iacc[t][p % kSplit], w, _mm512_set1_epi32(xg[t * pairs_per_token + p]));
+      auto int8_pair = [&](int p) {  // pair p: elements 2p, 2p + 1 of the 16 rows
+        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * p)));
+        for (int t = 0; t < kTokens; ++t)
+          iacc[t][p % kSplit] = _mm512_dpwssd_epi32(iacc[t][p % kSplit], w, _mm512_set1_epi32(xg[t * pairs_per_token + p]));
+      };
+      // the integer sums in accumulators [first, first + count) times part's scales (6 bits: the
+      // group's half ``part``; otherwise the group's)
+      auto fold = [&](int part, int first, int count) {
+        const __m512 d =
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + qbytes + part * kScaleBytes)));
+        for (int t = 0; t < kTokens; ++t) {
+          __m512i sums = iacc[t][first];
+          if (count == 2) sums = _mm512_add_epi32(sums, iacc[t][first + 1]);
+          facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(a.xd[t * groups + g])),
+                                    facc[t]);
         }
+      };
+      if constexpr (kWide) {
+        constexpr int kParts = kBits == 6 ? 2 : 1, kPairs = 16 / kParts;
+        for (int part = 0; part < kParts; ++part) {
+          if (part > 0)
+            for (int t = 0; t < kTokens; ++t)
+              for (int s = 0; s < kSplit; ++s) iacc[t][s] = _mm512_setzero_si512();
+          for (int p = part * kPairs; p < (part + 1) * kPairs; ++p) int8_pair(p);
+          fold(part, 0, kSplit);
+        }
+      } else if constexpr (kBits == 8) {
+        for (int p = 0; p < 16; ++p) int8_pair(p);
       } else {
         for (int c = 0; c < 8; ++c) {
           __m512i lo, hi;
@@ -153,21 +177,11 @@ void blocks_avx512(const Activations& a, const uint8_t* __restrict packed, int64
           }
         }
       }
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + qbytes)));
-      if constexpr (kBits == 6) {
-        const __m512 d_high = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + qbytes + kScaleBytes)));
-        for (int t = 0; t < kTokens; ++t) {
-          const __m512 xd = _mm512_set1_ps(a.xd[t * groups + g]);
-          facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[t][0]), _mm512_mul_ps(d, xd), facc[t]);
-          facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[t][1]), _mm512_mul_ps(d_high, xd), facc[t]);
-        }
-      } else {
-        for (int t = 0; t < kTokens; ++t) {
-          __m512i sums = iacc[t][0];
-          if constexpr (kSplit == 2) sums = _mm512_add_epi32(sums, iacc[t][1]);
-          const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a.xd[t * groups + g]));
-          facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, facc[t]);
-        }
+      if constexpr (kBits == 6 && !kWide) {  // each half's sums in an accumulator of its own
+        fold(0, 0, 1);
+        fold(1, 1, 1);
+      } else if constexpr (!kWide) {
+        fold(0, 0, kSplit);
       }
       if constexpr (has_min(kBits)) {
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + qbytes + kScaleBytes)));
@@ -188,6 +202,33 @@ constexpr Blocks kBlocks512[] = {nullptr,
                                  blocks_avx512<kBits, 4>, blocks_avx512<kBits, 5>, blocks_avx512<kBits, 6>,
                                  blocks_avx512<kBits, 7>, blocks_avx512<kBits, 8>, blocks_avx512<kBits, 9>,
                                  blocks_avx512<kBits, 10>, blocks_avx512<kBits, 11>, blocks_avx512<kBits, 12>};
+template <int kBits>
+constexpr Blocks kWideBlocks512[] = {
+    nullptr, blocks_avx512<kBits, 1, true>, blocks_avx512<kBits, 2, true>, blocks_avx512<kBits, 3, true>,
+    blocks_avx512<kBits, 4, true>, blocks_avx512<kBits, 5, true>, blocks_avx512<kBits, 6, true>,
+    blocks_avx512<kBits, 7, true>, blocks_avx512<kBits, 8, true>, blocks_avx512<kBits, 9, true>,
+    blocks_avx512<kBits, 10, true>, blocks_avx512<kBits, 11, true>, blocks_avx512<kBits, 12, true>};
+
+// Blocks [begin, end) of 5- or 6-bit records with their values as int8 in the 8-bit records'
+// layout (chunk p: element pair p of the 16 rows; 6 bits: q - 32), the float16 part after them as
+// in the record: the high bits joined once per call instead of once per pass, and for 6 bits a
+// pass of 12 tokens instead of 8 (one integer sum per token, each half folded in turn).
+template <int kBits>
+void widen_avx512(const uint8_t* __restrict packed, int64_t groups, int64_t begin, int64_t end,
+                  uint8_t* __restrict wide) {
+  constexpr int64_t stride = record_bytes(kBits), qbytes = quant_bytes(kBits), tail = stride - qbytes;
+  for (int64_t i = 0; i < (end - begin) * groups; ++i) {
+    const uint8_t* __restrict rec = packed + (begin * groups + i) * stride;
+    uint8_t* __restrict to = wide + i * wide_record_bytes(kBits);
+    for (int c = 0; c < 8; ++c) {
+      __m512i lo, hi;
+      nibble_chunk_avx512<kBits>(rec, c, lo, hi);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 32 * c), _mm512_cvtepi16_epi8(lo));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 32 * (c + 8)), _mm512_cvtepi16_epi8(hi));
+    }
+    std::memcpy(to + kWideQuantBytes, rec + qbytes, tail);
+  }
+}
 
 #endif
 
@@ -367,6 +408,11 @@ Kernel kernel_for(int64_t bits, int64_t tokens, int64_t groups) {
 #if defined(__AVX2__) && !defined(RADIXGEN_QUANT_AVX512)
   if (tokens > kPassAvx2 && bits == 5) return {kWideBlocksAvx2<5>, kPassAvx2, widen_avx2<5>, groups * wide_record_bytes(5)};
   if (tokens > kPassAvx2 && bits == 6) return {kWideBlocksAvx2<6>, kPassAvx2, widen_avx2<6>, groups * wide_record_bytes(6)};
+#elif defined(RADIXGEN_QUANT_AVX512)
+  // 5 bits gain nothing here (their high bits cost a pass about what the int8 loads do); 6 bits
+  // gain from 12 tokens a pass instead of 8, measured past two passes
+  if (tokens > 2 * kPass512SixBits && bits == 6)
+    return {kWideBlocks512<6>, kPass512, widen_avx512<6>, groups * wide_record_bytes(6)};
 #else
   (void)tokens, (void)groups;
 #endif
