@@ -127,7 +127,9 @@ def convert_gguf(gguf_path: Path, float_weights: bool = True) -> Path:
     logger.info("converting %s in %s (once)", gguf_path.name, out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(tmp)
+    _record_added_tokens(tmp, tokenizer)
     if float_weights:
         _write_float_weights(gguf_path, tmp)
     else:
@@ -243,10 +245,30 @@ def load_tokenizer(model_dir: Path) -> Any:
     if (model_dir / _DONE_MARKER).exists() and (model_dir / "tokenizer.json").exists():
         from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast.from_pretrained(model_dir)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+        _record_added_tokens(model_dir, tokenizer)  # folders converted before they were written
+        return tokenizer
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _record_added_tokens(folder: Path, tokenizer: Any) -> None:
+    """Write the tokenizer's added tokens into the folder's tokenizer_config.json, once.
+    transformers' save leaves them out, and a load that does not find them there parses the
+    whole tokenizer.json in Python to get them (a fifth of a second for Qwen's 11 MB)."""
+    path = folder / "tokenizer_config.json"
+    try:
+        config = json.loads(path.read_text())
+        if not isinstance(config, dict) or "added_tokens_decoder" in config:
+            return
+        config["added_tokens_decoder"] = {str(i): token.__getstate__()
+                                          for i, token in tokenizer.added_tokens_decoder.items()}
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+        os.replace(tmp, path)
+    except (OSError, ValueError) as exc:  # a read-only cache: the next start parses it again
+        logger.debug("could not record the added tokens in %s: %s", path, exc)
 
 
 def gguf_tensor_types(model_dir: Path) -> list[str]:

@@ -161,3 +161,46 @@ def test_a_config_cached_by_other_code_is_derived_again(default_model_dir: Path)
     assert index is not None and _cached_config(index) is not None
     stale = {**index, "model_config": {**index["model_config"], "code": "an older release"}}
     assert _cached_config(stale) is None
+
+
+def test_a_converted_tokenizer_records_its_added_tokens_and_reloads_without_parsing_its_json(
+        default_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' save leaves a tokenizer's added tokens out of tokenizer_config.json, and a
+    load that misses them there parses the whole tokenizer.json in Python. The first load of a
+    converted folder (one converted before this was written, too) records them; the next reads
+    them from the config, and the tokenizer is the same."""
+    import shutil
+
+    import transformers.tokenization_utils_base as base
+
+    from radixgen.models.loader import _DONE_MARKER, load_tokenizer
+
+    if os.environ.get("RADIXGEN_TEST_MODEL_DIR"):
+        pytest.skip("the bundled GGUF is not installed here")
+    load_model()  # converted, if no test did before
+    for name in ("tokenizer.json", "tokenizer_config.json", _DONE_MARKER):
+        shutil.copy(default_model_dir / name, tmp_path / name)
+    config_path = tmp_path / "tokenizer_config.json"
+    older = json.loads(config_path.read_text())
+    older.pop("added_tokens_decoder", None)
+    config_path.write_text(json.dumps(older))
+    parsed: list[str] = []
+    real_load = base.json.load
+
+    def load(handle: Any, *args: Any, **kwargs: Any) -> Any:
+        parsed.append(Path(handle.name).name)
+        return real_load(handle, *args, **kwargs)
+
+    monkeypatch.setattr(base.json, "load", load)
+    first = load_tokenizer(tmp_path)
+    assert "tokenizer.json" in parsed, "a config without the added tokens is read the slow way"
+    recorded = json.loads(config_path.read_text())["added_tokens_decoder"]
+    assert {int(i): t["content"] for i, t in recorded.items()} == \
+        {i: t.content for i, t in first.added_tokens_decoder.items()}
+    parsed.clear()
+    second = load_tokenizer(tmp_path)
+    assert "tokenizer.json" not in parsed
+    assert second.added_tokens_decoder == first.added_tokens_decoder
+    assert second.all_special_ids == first.all_special_ids and second.eos_token_id == first.eos_token_id
+    text = "<|im_start|>user\nHello {\"a\": 1}<|im_end|>"
+    assert second.encode(text) == first.encode(text)
