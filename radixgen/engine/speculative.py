@@ -6,8 +6,9 @@ request looks up its last n tokens (the longest n that matches, up to ``speculat
 in an index of its own prompt and output, and drafts the tokens that followed their latest
 earlier occurrence; where no tokens match, the text of its last tokens is looked up in the
 prompt's text and the text after it drafted (a copy that starts inside another token than the
-prompt's); a constrained request's draft is cut at the first token its automaton would reject. The step then feeds the request's newest token and its k drafts as one extend
-(the planner's speculative rows) and takes the logits after each of them. Verification keeps
+prompt's); a constrained request's draft is cut at the first token its automaton would reject.
+The step then feeds the request's newest token and its k drafts as one extend (the planner's
+speculative rows) and takes the logits after each of them. Verification keeps
 the longest prefix of the draft that equals the model's own choice at each position (under the
 constraint's mask) and adds the model's choice after it; the slots of rejected drafts are
 freed at once. The model's choice is its argmax for a greedy request; for a sampled one it is
@@ -274,7 +275,8 @@ class NgramDrafter:
             guess = min(state.length, room - len(forced))
             proposed, found_at = state.index.propose_from(tokens + forced, guess)
             if not proposed and guess > 0:
-                proposed, found_at = self._copied_text(req, state, tokens + forced, guess), 0
+                proposed = self._copied_text(req, state, tokens + forced, guess)
+                found_at = 0 if proposed else -1  # a copy of the prompt, by its text
             draft = forced + proposed
             if draft and constraint is not None:
                 draft = _grammatical_prefix(constraint.matcher, draft)

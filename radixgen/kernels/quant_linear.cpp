@@ -35,8 +35,8 @@
 //
 // Paths: AVX-512 VNNI (vpdpwssd), AVX2 (madd_epi16 on the same layout, 8 rows per register), and
 // plain loops. Where a call has more tokens than a pass, 5- (AVX2) and 6-bit records are first
-// widened to int8 once. Every step size takes this path: up to 12 tokens per pass over a few blocks held in
-// cache, so a prefill reads its activations, not the weights, many times.
+// widened to int8 once. Every step size takes this path: up to 12 tokens per pass over a few
+// blocks held in cache, so a prefill reads its activations, not the weights, many times.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

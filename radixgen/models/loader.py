@@ -267,7 +267,7 @@ def _record_added_tokens(folder: Path, tokenizer: Any) -> None:
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         tmp.write_text(json.dumps(config, indent=2, ensure_ascii=False))
         os.replace(tmp, path)
-    except (OSError, ValueError) as exc:  # a read-only cache: the next start parses it again
+    except (OSError, ValueError, TypeError, AttributeError) as exc:  # the next start parses it again
         logger.debug("could not record the added tokens in %s: %s", path, exc)
 
 
