@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from radixgen.host_memory import release_freed_memory
 from radixgen.models.families import architecture_for_model_type
 from radixgen.models.gguf_weights import BLOCK_TYPES, LEGACY_CACHE_NAME, tensor_types
 from radixgen.paths import cache_dir
@@ -122,9 +123,18 @@ def convert_gguf(gguf_path: Path, float_weights: bool = True) -> Path:
             marker.write_text(json.dumps(info))
         return out
 
+    logger.info("converting %s in %s (once)", gguf_path.name, out)
+    try:
+        return _convert(gguf_path, out, float_weights)
+    finally:
+        # transformers' reading of the GGUF's vocabulary leaves hundreds of MB free in malloc's heap,
+        # which the engine has told not to hand memory back: the first start held it to the end
+        release_freed_memory()
+
+
+def _convert(gguf_path: Path, out: Path, float_weights: bool) -> Path:
     from transformers import AutoConfig, AutoTokenizer
 
-    logger.info("converting %s in %s (once)", gguf_path.name, out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
