@@ -19,7 +19,7 @@ constexpr int64_t quant_bytes(int64_t bits) { return bits == 8 ? 512 : 256 + 64 
 constexpr int64_t record_bytes(int64_t bits) { return quant_bytes(bits) + (bits == 8 ? 1 : 2) * kScaleBytes; }
 constexpr bool has_min(int64_t bits) { return bits == 4 || bits == 5; }
 // A 5- or 6-bit record rewritten with its values as int8 in the 8-bit layout (quant_linear.cpp's
-// widen_avx2), its float16 part unchanged.
+// widen_avx2 and widen_avx512), its float16 part unchanged.
 constexpr int64_t kWideQuantBytes = 512;
 constexpr int64_t wide_record_bytes(int64_t bits) { return kWideQuantBytes + record_bytes(bits) - quant_bytes(bits); }
 // extra bits above the nibble, and how many nibble chunks share a byte position of the high part

@@ -138,7 +138,7 @@ class KernelChoices:
         timed decode-batch size, ``dense`` or ``tiles_<dtype>``; the smallest timed size from which
         it won at every larger one), or None where the blocks won there. Where they did, the
         prefill chunk's winner serves steps of that chunk's size and more."""
-        sizes = sorted(int(c.op.split("_")[2]) for c in self.choices if c.op.startswith("quant_linear_"))
+        sizes = sorted(_quant_step_tokens(c.op) for c in self.choices if c.op.startswith("quant_linear_"))
         decode = [size for size in sizes if size <= _HEAD_MAX_TOKENS]
         if decode and (found := self._won_throughout(decode)) is not None:
             return found
@@ -161,6 +161,11 @@ class KernelChoices:
 
     def describe(self) -> str:
         return "; ".join(c.describe() for c in self.choices)
+
+
+def _quant_step_tokens(op: str) -> int:
+    """The step size a ``quant_linear_<tokens>_tokens`` choice was timed at."""
+    return int(op.removeprefix("quant_linear_").removesuffix("_tokens"))
 
 
 def _run_each(linears: Sequence[Callable[[torch.Tensor], object]], inputs: list[torch.Tensor]) -> None:
@@ -341,7 +346,7 @@ def _hopeless(earlier: list[OpChoice], tokens: int) -> dict[str, str]:
     for choice in earlier:
         if not choice.times_ms:
             continue
-        best, ratio = min(choice.times_ms.values()), 2 * tokens / int(choice.op.split("_")[2])
+        best, ratio = min(choice.times_ms.values()), 2 * tokens / _quant_step_tokens(choice.op)
         lost |= {name: f"{ms:.3g} ms against {best:.3g} at {choice.op}" for name, ms in choice.times_ms.items()
                  if ms > ratio * best}
     return lost
