@@ -8,8 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _MIN_MATCH = 2
-# Only the most recent tokens are indexed: a draft comes from the latest occurrence anyway.
-_INDEX_WINDOW = 4096
+# Only the most recent tokens are indexed (and the prompt's text read for a text copy): a draft
+# comes from the latest occurrence anyway.
+INDEX_WINDOW = 4096
 # A text copy needs this many characters of the output found in the prompt: fewer match by chance.
 _TEXT_MIN_MATCH = 3
 _TEXT_MAX_MATCH = 32
@@ -32,7 +33,7 @@ class NgramIndex:
 
     def update(self, tokens: list[int]) -> None:
         end = len(tokens) - 1  # the last token's n-grams wait until a token follows them
-        start = max(self.indexed_to, end - _INDEX_WINDOW)
+        start = max(self.indexed_to, end - INDEX_WINDOW)
         for stop in range(start + 1, end + 1):  # n-grams tokens[stop - n : stop], followed by tokens[stop]
             for n in range(_MIN_MATCH, min(self.max_n, stop) + 1):
                 self.tables[n][tuple(tokens[stop - n : stop])] = stop

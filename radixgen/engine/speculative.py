@@ -39,7 +39,7 @@ import torch
 from radixgen.config import EngineConfig
 from radixgen.constraints.backend import Matcher
 from radixgen.engine.constrained import forced_token_ids, mask_logits, walk_masks
-from radixgen.engine.ngram import DraftState, NgramIndex, prompt_text_continuation
+from radixgen.engine.ngram import INDEX_WINDOW, DraftState, NgramIndex, prompt_text_continuation
 from radixgen.engine.plan import StepPlan
 from radixgen.engine.request import Request
 from radixgen.engine.sampler import (
@@ -59,9 +59,7 @@ _GIVE_UP_BELOW = 0.2
 _OWN_RECORD_AFTER = 8  # drafted tokens after which a request's own acceptance stands for it
 _COST_WINDOW = 64  # the latest steps per batch-size bucket that the step-time fit reads
 _REFIT_AFTER = 8  # new steps in a bucket after which its standing fit is computed again
-# A text copy looks up the output's last few tokens' text in the prompt's latest tokens' text.
-_TAIL_TOKENS = 8
-_TEXT_WINDOW_TOKENS = 4096
+_TAIL_TOKENS = 8  # a text copy looks up the text of the output's last few tokens
 
 
 @dataclass
@@ -294,7 +292,7 @@ class NgramDrafter:
         if self.tokenizer is None:
             return []
         if state.prompt_text is None:
-            state.prompt_text = self.tokenizer.decode(req.prompt_ids[-_TEXT_WINDOW_TOKENS:])
+            state.prompt_text = self.tokenizer.decode(req.prompt_ids[-INDEX_WINDOW:])
         tail = self.tokenizer.decode(tokens[max(req.prompt_len, len(tokens) - _TAIL_TOKENS) :])
         return prompt_text_continuation(state.prompt_text, tail, k, self._encode)
 
