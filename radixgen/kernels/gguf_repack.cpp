@@ -71,29 +71,12 @@ inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {
   }
 }
 
-// One group of a block type, decoded; templated on the type so that every layout choice and
+// One group of a K-quant block, decoded; templated on the type so that every layout choice and
 // loop bound folds at compile time (a start repacks every weight of the file).
 template <int64_t kType>
 inline void decode_group(const uint8_t* row, int64_t g, Group& out) {
   out.scale[1] = 0.f, out.min = 0.f;
-  if constexpr (kType == kQ4_0 || kType == kQ4_1 || kType == kQ5_0 || kType == kQ5_1) {
-    // d, then m (the _1 types), then 32 high bits (the Q5 types), then 16 bytes of nibbles
-    constexpr bool with_min = kType == kQ4_1 || kType == kQ5_1, five_bits = kType == kQ5_0 || kType == kQ5_1;
-    const uint8_t* b = row + g * type_info(kType).block_bytes;
-    const float d = half_at(b);
-    out.scale[0] = d, out.min = with_min ? half_at(b + 2) : (five_bits ? -16.f : -8.f) * d;
-    const uint8_t* qs = b + (with_min ? 4 : 2);
-    uint32_t qh = 0;
-    if constexpr (five_bits) std::memcpy(&qh, qs, 4), qs += 4;
-    for (int j = 0; j < 16; ++j) {
-      out.q[j] = (qs[j] & 0xF) | (((qh >> j) & 1) << 4);
-      out.q[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-    }
-  } else if constexpr (kType == kQ8_0) {
-    const uint8_t* b = row + g * 34;
-    out.scale[0] = half_at(b);
-    for (int j = 0; j < 32; ++j) out.q[j] = reinterpret_cast<const int8_t*>(b + 2)[j];
-  } else if constexpr (kType == kQ4_K || kType == kQ5_K) {
+  if constexpr (kType == kQ4_K || kType == kQ5_K) {
     const int s = static_cast<int>(g % 8);
     const uint8_t* b = row + (g / 8) * (kType == kQ4_K ? 144 : 176);
     int sc, m;
@@ -122,34 +105,28 @@ inline void decode_group(const uint8_t* row, int64_t g, Group& out) {
 // composed once from the rows' values and stored, instead of nibbles OR-ed in one at a time.
 template <int kBits>
 inline void write_record(const Group* grp, uint8_t* rec) {
+  static_assert(kBits != 8, "8-bit records come from Q8_0 blocks (write_legacy_record)");
   constexpr int64_t qbytes = quant_bytes(kBits);
-  if constexpr (kBits == 8) {
-    for (int64_t pair = 0; pair < 16; ++pair)
+  // lane 2r + j of nibble chunk c: element 2c + j (low nibble) and 2c + j + 16 (high nibble)
+  for (int64_t c = 0; c < 8; ++c)
+    for (int64_t r = 0; r < kBlockRows; ++r)
+      for (int64_t j = 0; j < 2; ++j)
+        rec[32 * c + 2 * r + j] =
+            static_cast<uint8_t>((grp[r].q[2 * c + j] & 0xF) | ((grp[r].q[2 * c + j + 16] & 0xF) << 4));
+  if constexpr (kBits != 4) {
+    // the bits above the nibble: chunks c and c + h share byte row c % h, at shift (c / h) * 2 * ex
+    constexpr int ex = extra_bits(kBits), h = high_rows(kBits);
+    for (int k = 0; k < h; ++k)
       for (int64_t r = 0; r < kBlockRows; ++r)
-        for (int64_t j = 0; j < 2; ++j)
-          rec[32 * pair + 2 * r + j] = static_cast<uint8_t>(static_cast<int8_t>(grp[r].q[2 * pair + j]));
-  } else {
-    // lane 2r + j of nibble chunk c: element 2c + j (low nibble) and 2c + j + 16 (high nibble)
-    for (int64_t c = 0; c < 8; ++c)
-      for (int64_t r = 0; r < kBlockRows; ++r)
-        for (int64_t j = 0; j < 2; ++j)
-          rec[32 * c + 2 * r + j] =
-              static_cast<uint8_t>((grp[r].q[2 * c + j] & 0xF) | ((grp[r].q[2 * c + j + 16] & 0xF) << 4));
-    if constexpr (kBits != 4) {
-      // the bits above the nibble: chunks c and c + h share byte row c % h, at shift (c / h) * 2 * ex
-      constexpr int ex = extra_bits(kBits), h = high_rows(kBits);
-      for (int k = 0; k < h; ++k)
-        for (int64_t r = 0; r < kBlockRows; ++r)
-          for (int64_t j = 0; j < 2; ++j) {
-            uint32_t byte = 0;
-            for (int c = k; c < 8; c += h) {
-              const int shift = (c / h) * 2 * ex;
-              byte |= static_cast<uint32_t>(grp[r].q[2 * c + j] >> 4) << shift;
-              byte |= static_cast<uint32_t>(grp[r].q[2 * c + j + 16] >> 4) << (shift + ex);
-            }
-            rec[256 + k * 32 + 2 * r + j] = static_cast<uint8_t>(byte);
+        for (int64_t j = 0; j < 2; ++j) {
+          uint32_t byte = 0;
+          for (int c = k; c < 8; c += h) {
+            const int shift = (c / h) * 2 * ex;
+            byte |= static_cast<uint32_t>(grp[r].q[2 * c + j] >> 4) << shift;
+            byte |= static_cast<uint32_t>(grp[r].q[2 * c + j + 16] >> 4) << (shift + ex);
           }
-    }
+          rec[256 + k * 32 + 2 * r + j] = static_cast<uint8_t>(byte);
+        }
   }
   auto put_half = [&](int64_t offset, int64_t r, float value) {
     const uint16_t bits16 = c10::Half(value).x;
@@ -162,19 +139,68 @@ inline void write_record(const Group* grp, uint8_t* rec) {
   }
 }
 
+constexpr bool is_legacy(int64_t type) { return type_info(type).block_weights == kGroup; }
+
+// The 32-weight types store byte j of a block's values as element j's nibble under element
+// j + 16's, which is how a record pairs them too: a record's nibbles (Q8_0: its int8 values) are
+// the rows' bytes moved two at a time, with no value decoded (a start repacks every weight).
+template <int64_t kType>
+inline void write_legacy_record(const uint8_t* first_row, int64_t row_bytes, int64_t rows_here, int64_t g,
+                                uint8_t* rec) {
+  constexpr TypeInfo info = type_info(kType);
+  constexpr int kBits = static_cast<int>(info.record_bits);
+  constexpr bool with_min = kType == kQ4_1 || kType == kQ5_1, five_bits = kBits == 5;
+  constexpr int64_t qbytes = quant_bytes(kBits);
+  if (rows_here < kBlockRows) std::memset(rec, 0, record_bytes(kBits));  // rows past the end: zero weights
+  for (int64_t r = 0; r < rows_here; ++r) {
+    const uint8_t* b = first_row + r * row_bytes + g * info.block_bytes;
+    const float d = half_at(b);
+    const uint8_t* qs = b + (with_min ? 4 : 2) + (five_bits ? 4 : 0);
+    constexpr int64_t pairs = kBits == 8 ? 16 : 8;  // 32 int8 values, or 16 bytes of nibbles
+    for (int64_t pair = 0; pair < pairs; ++pair)
+      std::memcpy(rec + 32 * pair + 2 * r, qs + 2 * pair, 2);
+    if constexpr (five_bits) {
+      uint32_t qh;
+      std::memcpy(&qh, b + (with_min ? 4 : 2), 4);
+      // the records' high-bit byte k of lane j holds chunks k, k + 2, k + 4, k + 6, each as its
+      // element 2c + j's bit under element 2c + j + 16's
+      for (int k = 0; k < 2; ++k)
+        for (int j = 0; j < 2; ++j) {
+          uint32_t byte = 0;
+          for (int i = 0; i < 4; ++i) {
+            const int e = 2 * (k + 2 * i) + j;
+            byte |= ((qh >> e) & 1u) << (2 * i) | ((qh >> (e + 16)) & 1u) << (2 * i + 1);
+          }
+          rec[256 + 32 * k + 2 * r + j] = static_cast<uint8_t>(byte);
+        }
+    }
+    const uint16_t scale = c10::Half(d).x;
+    std::memcpy(rec + qbytes + 2 * r, &scale, 2);
+    if constexpr (has_min(kBits)) {
+      const uint16_t min = c10::Half(with_min ? half_at(b + 2) : (five_bits ? -16.f : -8.f) * d).x;
+      std::memcpy(rec + qbytes + kScaleBytes + 2 * r, &min, 2);
+    }
+  }
+}
+
 template <int64_t kType>
 void repack_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t groups, int64_t row_bytes) {
   constexpr int kBits = static_cast<int>(type_info(kType).record_bits);
   constexpr int64_t stride = record_bytes(kBits);
   const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    Group grp[kBlockRows] = {};
     for (int64_t b = begin; b < end; ++b) {
       const int64_t first = b * kBlockRows, here = std::min(kBlockRows, rows - first);
-      for (int64_t r = here; r < kBlockRows; ++r) grp[r] = Group{};
-      for (int64_t g = 0; g < groups; ++g) {
-        for (int64_t r = 0; r < here; ++r) decode_group<kType>(src + (first + r) * row_bytes, g, grp[r]);
-        write_record<kBits>(grp, dst + (b * groups + g) * stride);
+      uint8_t* records = dst + b * groups * stride;
+      if constexpr (is_legacy(kType)) {
+        for (int64_t g = 0; g < groups; ++g)
+          write_legacy_record<kType>(src + first * row_bytes, row_bytes, here, g, records + g * stride);
+      } else {
+        Group grp[kBlockRows] = {};
+        for (int64_t g = 0; g < groups; ++g) {
+          for (int64_t r = 0; r < here; ++r) decode_group<kType>(src + (first + r) * row_bytes, g, grp[r]);
+          write_record<kBits>(grp, records + g * stride);
+        }
       }
     }
   });
