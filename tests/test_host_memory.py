@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from radixgen.host_memory import HUGE_PAGE, huge_page_empty, move_into_huge_pages
+from radixgen.host_memory import HUGE_PAGE, WeightArena, huge_page_empty, move_into_huge_pages
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -80,3 +81,51 @@ def test_views_of_one_storage_stay_views() -> None:
     second[0] = -1.0  # element 5 of the old storage: row 1, column 0 of ``first``
     assert float(first[1, 0]) == -1.0
     assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+
+
+def _resident_bytes(address: int) -> int:
+    """Rss of the mapping holding ``address``."""
+    (line,) = [ln for ln in _mapping_of(address) if ln.startswith("Rss:")]
+    return int(line.split()[1]) * 1024
+
+
+def test_a_weight_arena_hands_out_aligned_tensors_in_order_until_full() -> None:
+    sizes = [1000, 64, 4096 * 3]
+    arena = WeightArena(WeightArena.bytes_for(sizes))
+    assert arena.bytes.numel() == 1024 + 64 + 4096 * 3
+    first = arena.take((1000,))
+    second = arena.take((16,), torch.float32)
+    third = arena.take((3, 1024), torch.float32)
+    assert first is not None and second is not None and third is not None
+    assert [t.data_ptr() - arena.bytes.data_ptr() for t in (first, second, third)] == [0, 1024, 1088]
+    assert third.shape == (3, 1024) and third.dtype == torch.float32 and third.is_contiguous()
+    assert arena.used == arena.bytes.numel() and all(arena.holds(t) for t in (first, second, third))
+    assert arena.take((1,)) is None, "a full arena hands out nothing (the caller allocates elsewhere)"
+    assert not arena.holds(torch.empty(8))
+
+
+def test_populating_an_arena_faults_it_in_and_keeps_what_was_written() -> None:
+    if platform.system() != "Linux" or tuple(map(int, platform.release().split(".")[:2])) < (5, 14):
+        pytest.skip("MADV_POPULATE_WRITE needs Linux 5.14")
+    arena = WeightArena(8 * HUGE_PAGE)
+    written = arena.take((HUGE_PAGE // 4,), torch.float32)
+    assert written is not None
+    written.copy_(torch.arange(HUGE_PAGE // 4, dtype=torch.float32))
+    before = _resident_bytes(arena.bytes.data_ptr())
+    arena.populate_in_background()
+    arena.wait_populated()
+    after = _resident_bytes(arena.bytes.data_ptr())
+    assert before < 8 * HUGE_PAGE <= after, (before, after)
+    assert torch.equal(written, torch.arange(HUGE_PAGE // 4, dtype=torch.float32))
+
+
+def test_moving_into_huge_pages_leaves_what_an_arena_placed() -> None:
+    arena = WeightArena(4096)
+    placed = arena.take((1024,), torch.float32)
+    assert placed is not None
+    placed.fill_(3.0)
+    loose = torch.full((10,), 2.0)
+    address = placed.data_ptr()
+    moved = move_into_huge_pages([placed, loose], placed=arena)
+    assert placed.data_ptr() == address and float(placed.sum()) == 3.0 * 1024
+    assert moved == 64 and not arena.holds(loose) and float(loose.sum()) == 20.0

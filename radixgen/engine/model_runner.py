@@ -128,9 +128,11 @@ class ModelRunner:
                 self.full_precision_max_tokens = from_tokens - 1
         logger.info("weights: %s", self.weights)
         if device.type == "cpu":
-            moved = move_into_huge_pages([*model.parameters(), *model.buffers()])
+            placed = model.weight_arena  # a GGUF's records, written into huge pages at load
+            moved = move_into_huge_pages([*model.parameters(), *model.buffers()], placed=placed)
             release_freed_memory()  # the heap pages the weights left
-            logger.info("weights: %.1f MiB in one huge-page arena", moved / 2**20)
+            logger.info("weights in huge pages: %.1f MiB written there at load, %.1f MiB moved",
+                        (placed.used if placed else 0) / 2**20, moved / 2**20)
         self.decode_runner: DecodeRunner = create_decode_runner(
             model, self.attention, pool, cuda_graphs=cuda_graphs, max_batch=min(cuda_graph_max_batch, pool.max_rows))
 

@@ -36,7 +36,7 @@ _LIBRARY = "radixgen_kernels.so"  # what torch's builder links in the build fold
 # the ops only the extension defines (the attention kernels); the fused layer ops' schemas are
 # defined in ops.py, and the extension adds their CPU kernels
 _OPS = ("decode_attention", "prefill_attention", "prefill_attention_native", "shared_prefix_attention", "gguf_repack",
-        "dequantize_records")
+        "gguf_repack_into", "dequantize_records")
 _FUSED_OPS = ("rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul", "small_linear", "quant_linear", "argmax_rows",
               "apply_bitmask")
 # Release flags that keep IEEE semantics apart from reassociation (so the dot products
@@ -106,6 +106,8 @@ class CpuKernels:
     shared_prefix_attention: Any
     gguf_repack: Any
     """A GGUF tensor's quantized blocks as ``quant_linear``'s records (gguf_repack.cpp)."""
+    gguf_repack_into: Any
+    """The same records written into a given uint8 tensor of their shape (a slice of the weights' arena)."""
     dequantize_records: Any
     """Records decoded into a float tile of the transposed weight (quant_tiles.cpp)."""
 

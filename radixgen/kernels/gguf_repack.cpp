@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <vector>
 
 #include "quant_records.h"
 
@@ -206,9 +207,9 @@ void repack_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t groups,
   });
 }
 
-// raw: uint8 [rows, row bytes] of one GGUF tensor (rows of `cols` weights) -> the records
+// The records' shape for raw: uint8 [rows, row bytes] of one GGUF tensor (rows of `cols` weights):
 // [ceil(rows / 16), cols / 32, record bytes] of the type's record width (4, 5, 6 or 8 bits).
-at::Tensor gguf_repack(const at::Tensor& raw, int64_t type, int64_t cols) {
+std::vector<int64_t> record_shape(const at::Tensor& raw, int64_t type, int64_t cols) {
   const TypeInfo info = type_info(type);
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.device().is_cpu(),
               "gguf_repack: raw must be a contiguous uint8 CPU tensor [rows, row bytes]");
@@ -216,13 +217,19 @@ at::Tensor gguf_repack(const at::Tensor& raw, int64_t type, int64_t cols) {
               info.block_weights);
   TORCH_CHECK(raw.size(1) == cols / info.block_weights * info.block_bytes, "gguf_repack: rows of ", raw.size(1),
               " bytes, expected ", cols / info.block_weights * info.block_bytes, " for ", cols, " weights");
-  const int64_t rows = raw.size(0), groups = cols / kGroup;
-  const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
-  // every byte of a record is written (write_record), the rows past the end as zeros
-  at::Tensor out = at::empty({blocks, groups, record_bytes(info.record_bits)}, raw.options());
+  return {(raw.size(0) + kBlockRows - 1) / kBlockRows, cols / kGroup, record_bytes(info.record_bits)};
+}
+
+// The records of raw written into `out` (a slice of the weights' arena, or fresh memory); every
+// byte of a record is written, the rows past the tensor's end as zeros.
+void gguf_repack_into(const at::Tensor& raw, int64_t type, int64_t cols, at::Tensor& out) {
+  const std::vector<int64_t> shape = record_shape(raw, type, cols);
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(shape) && out.scalar_type() == at::kByte && out.is_contiguous() &&
+                  out.device().is_cpu(),
+              "gguf_repack_into: out must be a contiguous uint8 CPU tensor ", at::IntArrayRef(shape));
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t row_bytes = raw.size(1);
+  const int64_t rows = raw.size(0), groups = shape[1], row_bytes = raw.size(1);
   switch (type) {
     case kQ4_0: repack_rows<kQ4_0>(src, dst, rows, groups, row_bytes); break;
     case kQ4_1: repack_rows<kQ4_1>(src, dst, rows, groups, row_bytes); break;
@@ -234,10 +241,21 @@ at::Tensor gguf_repack(const at::Tensor& raw, int64_t type, int64_t cols) {
     case kQ6_K: repack_rows<kQ6_K>(src, dst, rows, groups, row_bytes); break;
     default: TORCH_CHECK(false, "gguf_repack: unsupported ggml type id ", type);
   }
+}
+
+at::Tensor gguf_repack(const at::Tensor& raw, int64_t type, int64_t cols) {
+  at::Tensor out = at::empty(record_shape(raw, type, cols), raw.options());
+  gguf_repack_into(raw, type, cols, out);
   return out;
 }
 
 }  // namespace radixgen_gguf
 
-TORCH_LIBRARY_FRAGMENT(radixgen, m) { m.def("gguf_repack(Tensor raw, int type, int cols) -> Tensor"); }
-TORCH_LIBRARY_IMPL(radixgen, CPU, m) { m.impl("gguf_repack", TORCH_FN(radixgen_gguf::gguf_repack)); }
+TORCH_LIBRARY_FRAGMENT(radixgen, m) {
+  m.def("gguf_repack(Tensor raw, int type, int cols) -> Tensor");
+  m.def("gguf_repack_into(Tensor raw, int type, int cols, Tensor(a!) out) -> ()");
+}
+TORCH_LIBRARY_IMPL(radixgen, CPU, m) {
+  m.impl("gguf_repack", TORCH_FN(radixgen_gguf::gguf_repack));
+  m.impl("gguf_repack_into", TORCH_FN(radixgen_gguf::gguf_repack_into));
+}

@@ -10,10 +10,12 @@ from typing import Any
 
 import torch
 
+from radixgen.host_memory import WeightArena
 from radixgen.models.checkpoint import load_into, load_quantized_into
 from radixgen.models.config import ModelConfig, config_code_digest
 from radixgen.models.decoder import CausalLM
 from radixgen.models.families import FAMILIES, supported_architectures
+from radixgen.models.gguf_weights import records_arena
 from radixgen.models.loader import (
     generation_defaults,
     gguf_file_of,
@@ -57,13 +59,13 @@ def build_model(
 
 def build_quantized_model(
     cfg: ModelConfig, state: dict[str, Any], bits: int, *, dtype: torch.dtype, device: str | torch.device = "cpu",
-    max_positions: int | None = None,
+    max_positions: int | None = None, arena: WeightArena | None = None,
 ) -> CausalLM:
     """A model whose linears and embedding are weight-only quantized to ``bits`` (tensors of
-    ``state`` already quantized, from a GGUF file, are taken as they are)."""
+    ``state`` already quantized, from a GGUF file, are taken as they are, into ``arena``)."""
     with torch.device(device):
         model = CausalLM(cfg, dtype, max_positions or cfg.max_position_embeddings)
-    load_quantized_into(model, state, bits)
+    load_quantized_into(model, state, bits, arena)
     return model.eval()
 
 
@@ -118,10 +120,14 @@ def load_model(
     run_cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + generation_eos)))
     if bits is None:
         net = build_model(run_cfg, load_state_dict(model_dir, device), dtype=torch_dtype(dtype), device=device)
+        tokenizer = load_tokenizer(model_dir)
     else:
-        net = build_quantized_model(run_cfg, _quantized_state(gguf_file, cfg, hf_config, model_dir, index), bits,
-                                    dtype=torch_dtype(dtype), device=device)
-    tokenizer = load_tokenizer(model_dir)
+        state = _quantized_state(gguf_file, cfg, hf_config, model_dir, index)
+        arena = records_arena(state)
+        if arena is not None:  # its pages fault in (the kernel's zeroing and compaction) while the tokenizer loads
+            arena.populate_in_background()
+        tokenizer = load_tokenizer(model_dir)
+        net = build_quantized_model(run_cfg, state, bits, dtype=torch_dtype(dtype), device=device, arena=arena)
     return LoadedModel(model=net, config=run_cfg, tokenizer=tokenizer, path=model_dir, sampling_defaults=sampling)
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from radixgen.host_memory import WeightArena
 from radixgen.models.gguf_weights import GGUFTensor
 from radixgen.models.layers import Linear
 from radixgen.models.moe import SparseMoE
@@ -129,10 +130,10 @@ def _load_experts(moe: SparseMoE, take: _Tensors, p: str, num_experts: int) -> N
 
 
 @torch.no_grad()
-def load_quantized_into(model: CausalLM, state: dict[str, Any], bits: int) -> None:
+def load_quantized_into(model: CausalLM, state: dict[str, Any], bits: int, arena: WeightArena | None = None) -> None:
     """Load with every linear (and the embedding / LM head) weight-only quantized: quantized
-    tensors (a GGUF's blocks, ``GGUFTensor``) are taken as they are, float ones quantized to
-    ``bits``. No float copy of a linear weight is kept."""
+    tensors (a GGUF's blocks, ``GGUFTensor``) are taken as they are, into ``arena`` where one is
+    given, float ones quantized to ``bits``. No float copy of a linear weight is kept."""
     cfg = model.config
     if cfg.moe is not None:
         raise ValueError(f"{cfg.architecture}: quantized weights are not supported for mixtures of experts yet; "
@@ -144,7 +145,7 @@ def load_quantized_into(model: CausalLM, state: dict[str, Any], bits: int) -> No
             raise KeyError(f"checkpoint lacks tensor {name!r}")
         value = state[name]
         if isinstance(value, GGUFTensor):
-            return value.quantized(bits)
+            return value.quantized(bits, arena)
         return value if isinstance(value, QuantizedWeight) else quantize(value, bits)
 
     def fused_rows(names: list[str]) -> QuantizedWeight | list[QuantizedWeight | PackedWeight]:
@@ -161,6 +162,7 @@ def load_quantized_into(model: CausalLM, state: dict[str, Any], bits: int) -> No
     def bias(names: list[str]) -> torch.Tensor | None:
         return torch.cat([floats(n) for n in names]) if all(n in state for n in names) else None
 
+    model.weight_arena = arena
     embed = q("model.embed_tokens.weight")
     model.quantized_embed = QuantizedEmbedding(embed)
     model.embed = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)

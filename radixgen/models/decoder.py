@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,6 +22,9 @@ from radixgen.models.config import ModelConfig
 from radixgen.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from radixgen.models.moe import SparseMoE
 from radixgen.models.quantized import QuantizedEmbedding
+
+if TYPE_CHECKING:
+    from radixgen.host_memory import WeightArena
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +154,9 @@ class CausalLM(nn.Module):
         family = cfg.family
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.quantized_embed: QuantizedEmbedding | None = None
+        self.weight_arena: WeightArena | None = None
+        """The huge-page mapping the loader wrote the quantized weights into (None: none; the
+        runner moves them into one)."""
         """Set by a quantized load: the embedding rows dequantized on lookup (``embed`` is empty)."""
         # transformers rounds the scale to the model's dtype before multiplying
         self.embed_scale = (

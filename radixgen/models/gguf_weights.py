@@ -13,6 +13,7 @@ permutation is undone on the rows of the blocks. Gemma's stored norm weights are
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixgen.host_memory import WeightArena
+from radixgen.kernels import quant_layout
 from radixgen.models.config import ModelConfig
 from radixgen.models.gguf_file import GGUFFile, TensorInfo
 from radixgen.models.quantized import PackedWeight, QuantizedWeight, quantize
@@ -56,18 +59,34 @@ class GGUFTensor:
     def shape(self) -> tuple[int, ...]:
         return self.info.shape
 
-    def blocks(self) -> PackedWeight | None:
-        """The kernel's records of a quantized 2-D tensor of a supported type (None where the
-        native ops are not built here: the caller dequantizes)."""
+    def record_shape(self) -> tuple[int, int, int] | None:
+        """The shape of the records ``blocks`` writes (None where it writes none: the caller
+        dequantizes)."""
         from radixgen.kernels import cpu_kernels
 
-        kernels = cpu_kernels()
-        if kernels is None or self.type_name not in RECORD_BITS or len(self.shape) != 2:
+        if self.type_name not in RECORD_BITS or len(self.shape) != 2 or cpu_kernels() is None:
+            return None
+        rows, cols = self.shape
+        return -(-rows // quant_layout.BLOCK_ROWS), cols // quant_layout.GROUP, \
+            quant_layout.record_bytes(RECORD_BITS[self.type_name])
+
+    def blocks(self, arena: WeightArena | None = None) -> PackedWeight | None:
+        """The kernel's records of a quantized 2-D tensor of a supported type, written into
+        ``arena`` where it has room (None where the native ops are not built here: the caller
+        dequantizes)."""
+        from radixgen.kernels import cpu_kernels
+
+        shape, kernels = self.record_shape(), cpu_kernels()
+        if shape is None or kernels is None:
             return None
         raw = self.file.raw(self.info.name)
         if self.row_order is not None:
             raw = raw[self.row_order].contiguous()
-        records = kernels.gguf_repack(raw, self.info.ggml_type, self.shape[1])
+        records = arena.take(shape) if arena is not None else None
+        if records is None:
+            records = kernels.gguf_repack(raw, self.info.ggml_type, self.shape[1])
+        else:
+            kernels.gguf_repack_into(raw, self.info.ggml_type, self.shape[1], records)
         del raw
         self.file.release(self.info.name)
         return PackedWeight(records, RECORD_BITS[self.type_name], self.shape[0])
@@ -88,10 +107,11 @@ class GGUFTensor:
         self.file.release(self.info.name)
         return out[self.row_order] if self.row_order is not None else out
 
-    def quantized(self, bits: int) -> PackedWeight | QuantizedWeight:
-        """As the quantized model holds it: the file's own blocks where they run as they are, else
-        the values quantized to ``bits`` (a block type without a kernel is said, with its cost)."""
-        blocks = self.blocks()
+    def quantized(self, bits: int, arena: WeightArena | None = None) -> PackedWeight | QuantizedWeight:
+        """As the quantized model holds it: the file's own blocks where they run as they are (in
+        ``arena``), else the values quantized to ``bits`` (a block type without a kernel is said,
+        with its cost)."""
+        blocks = self.blocks(arena)
         if blocks is not None:
             return blocks
         if self.type_name not in BLOCK_TYPES + FLOAT_TYPES:
@@ -102,6 +122,13 @@ class GGUFTensor:
                            weight.nbytes() / self.info.nbytes)
             return weight
         return quantize(self.floats(), bits)
+
+
+def records_arena(state: dict[str, Any]) -> WeightArena | None:
+    """An arena for the records of ``state``'s tensors (None where none are written)."""
+    shapes = [shape for value in state.values()
+              if isinstance(value, GGUFTensor) and (shape := value.record_shape()) is not None]
+    return WeightArena(WeightArena.bytes_for(math.prod(shape) for shape in shapes)) if shapes else None
 
 
 def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:

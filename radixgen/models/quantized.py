@@ -152,13 +152,25 @@ def _as_packed(part: QuantizedWeight | PackedWeight) -> PackedWeight:
     return PackedWeight(interleave(part), part.bits, part.shape[0])
 
 
+def _adjoined(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """``torch.cat([first, second])`` of two record arrays: a view where ``second`` follows
+    ``first`` in one storage (written so into the weights' arena), a copy elsewhere."""
+    follows = (first.is_contiguous() and second.is_contiguous() and first.shape[1:] == second.shape[1:]
+               and first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+               and first.data_ptr() + first.nbytes == second.data_ptr())
+    if not follows:
+        return torch.cat([first, second])
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
+                                   (first.shape[0] + second.shape[0], *first.shape[1:]), first.stride())
+
+
 def _joined(parts: list[PackedWeight]) -> list[PackedWeight]:
     """Neighbours of one width as one weight where the rows before each seam fill whole blocks of 16."""
     out = [parts[0]]
     for part in parts[1:]:
         last = out[-1]
         if last.bits == part.bits and last.out_features % quant_layout.BLOCK_ROWS == 0:
-            out[-1] = PackedWeight(torch.cat([last.records, part.records]), part.bits,
+            out[-1] = PackedWeight(_adjoined(last.records, part.records), part.bits,
                                    last.out_features + part.out_features)
         else:
             out.append(part)

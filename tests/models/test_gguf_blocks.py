@@ -100,6 +100,29 @@ def test_a_fused_weight_of_mixed_widths_runs_each_part_in_its_own_records(kernel
     torch.testing.assert_close(linear.dequantize(), expected, atol=float(expected.abs().max()) * 2**-10, rtol=0)
 
 
+def test_parts_written_one_after_another_into_an_arena_are_joined_without_a_copy(kernels: Any) -> None:
+    """A query, key and value repacked one after another into the weights' arena are one record
+    array by view; the same parts repacked apart are joined by a copy, with the same values."""
+    import gguf
+
+    from radixgen.host_memory import WeightArena
+
+    layout = [("Q4_0", 32, 0), ("Q4_K", 16, 1), ("Q4_0", 16, 2)]
+    raws = [random_blocks(kind, rows, 512, seed=seed)[0] for kind, rows, seed in layout]
+    apart = QuantizedLinear([_records(kernels, kind, raw, 512) for (kind, _, _), raw in zip(layout, raws, strict=True)], None)
+    arena = WeightArena(sum(rows // 16 * (512 // 32) * quant_layout.record_bytes(4) for _, rows, _ in layout))
+    parts = []
+    for (kind, rows, _), raw in zip(layout, raws, strict=True):
+        records = arena.take((rows // 16, 16, quant_layout.record_bytes(4)))
+        assert records is not None
+        kernels.gguf_repack_into(torch.from_numpy(raw), int(gguf.GGMLQuantizationType[kind]), 512, records)
+        parts.append(PackedWeight(records, 4, rows))
+    joined = QuantizedLinear(parts, None)
+    assert joined.widths == (4,) and arena.holds(joined.packed) and joined.packed.data_ptr() == arena.bytes.data_ptr()
+    assert not arena.holds(apart.packed)
+    assert torch.equal(joined.packed, apart.packed)
+
+
 def _write_minimal_gguf(path: Path, tensors: list[tuple[str, list[int], int, bytes]]) -> None:
     """A GGUF v3 file: one metadata key, the given tensors (name, GGUF-order dims, type id, bytes)."""
     def string(text: str) -> bytes:

@@ -156,6 +156,11 @@ def test_a_quantized_gguf_runs_quantized_and_equals_its_dequantized_float_copy(
     path = write_gguf(hf, tmp_path / f"tiny-{kind}.gguf", default_gguf_path(), linear_type=kind)
     quantized = load_model(path)
     assert isinstance(quantized.model.decoder_layers()[0].mlp.gate_up, QuantizedLinear)
+    # every record array written straight into one arena sized for them (fused parts joined by view)
+    arena = quantized.model.weight_arena
+    assert arena is not None and arena.used == arena.bytes.numel()
+    packed = [b for name, b in quantized.model.named_buffers() if name.rsplit(".", 1)[-1].startswith("packed")]
+    assert packed and all(arena.holds(b) for b in packed)
     assert quantized.model.decoder_layers()[0].mlp.gate_up.bits == (8 if kind == "Q8_0" else 4)
     dequantized = load_model(path, weights="float").model
     ids = list(range(7, 67))
