@@ -14,11 +14,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import math
 import mmap
 import threading
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -32,6 +34,7 @@ _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 _TOP_PAD = 256 << 20
 _TRIM_EVERY = 64 << 20
+_MADV_DONTNEED = 4
 _MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range in, writable, without changing what it holds
 # A populate holds the process's mmap lock, which every mmap and munmap of the other threads (the
 # Python allocator's arenas) waits for: it goes a piece at a time.
@@ -108,6 +111,7 @@ class WeightArena:
         self.bytes = huge_page_bytes(nbytes)
         self.used = 0
         self._populating: threading.Thread | None = None
+        self._stop_populating = threading.Event()
 
     @staticmethod
     def bytes_for(sizes: Iterable[int]) -> int:
@@ -130,14 +134,14 @@ class WeightArena:
         """Fault the whole arena in on a thread, without the GIL (what is written meanwhile stays:
         a populate leaves pages already there alone). A kernel without ``MADV_POPULATE_WRITE``
         leaves each page to its first write."""
-        name = ctypes.util.find_library("c")
-        if not name or self._populating is not None:
+        madvise = _madvise()
+        if madvise is None or self._populating is not None:
             return
-        madvise = ctypes.CDLL(name, use_errno=True).madvise
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
         def populate(arena: torch.Tensor) -> None:  # holds the mapping until done
             for start in range(0, arena.numel(), _POPULATE_CHUNK):  # the arena starts on a page
+                if self._stop_populating.is_set():
+                    return
                 length = min(_POPULATE_CHUNK, arena.numel() - start)
                 if madvise(arena.data_ptr() + start, length, _MADV_POPULATE_WRITE) != 0:
                     logger.debug("MADV_POPULATE_WRITE refused (errno %d): pages fault in as written",
@@ -150,6 +154,30 @@ class WeightArena:
     def wait_populated(self) -> None:
         if self._populating is not None:
             self._populating.join()
+
+    def release_unused(self) -> int:
+        """Stop populating and hand back the whole huge pages past what was taken (tensors sized
+        for that were not taken: the loader skipped them). Returns the bytes handed back."""
+        self._stop_populating.set()
+        self.wait_populated()
+        tail = _round_up(self.used, HUGE_PAGE)  # the arena starts on a huge page
+        madvise = _madvise()
+        if tail >= self.bytes.numel() or madvise is None:
+            return 0
+        if madvise(self.bytes.data_ptr() + tail, self.bytes.numel() - tail, _MADV_DONTNEED) != 0:
+            return 0
+        return self.bytes.numel() - tail
+
+
+@functools.cache
+def _madvise() -> Any:
+    """libc's madvise (called without the GIL), or None where there is no libc to load."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    madvise = ctypes.CDLL(name, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
 
 
 def _round_up(n: int, to: int) -> int:

@@ -129,3 +129,18 @@ def test_moving_into_huge_pages_leaves_what_an_arena_placed() -> None:
     moved = move_into_huge_pages([placed, loose], placed=arena)
     assert placed.data_ptr() == address and float(placed.sum()) == 3.0 * 1024
     assert moved == 64 and not arena.holds(loose) and float(loose.sum()) == 20.0
+
+
+def test_an_arena_hands_back_the_huge_pages_past_what_was_taken() -> None:
+    if platform.system() != "Linux" or tuple(map(int, platform.release().split(".")[:2])) < (5, 14):
+        pytest.skip("MADV_POPULATE_WRITE needs Linux 5.14")
+    arena = WeightArena(8 * HUGE_PAGE)
+    taken = arena.take((3 * HUGE_PAGE // 2,))
+    assert taken is not None
+    taken.fill_(7)
+    arena.populate_in_background()
+    arena.wait_populated()
+    assert _resident_bytes(arena.bytes.data_ptr()) >= 8 * HUGE_PAGE
+    assert arena.release_unused() == 6 * HUGE_PAGE  # past the second huge page, which holds the taken tail
+    assert _resident_bytes(arena.bytes.data_ptr()) <= 2 * HUGE_PAGE
+    assert int(taken.min()) == 7 == int(taken.max())

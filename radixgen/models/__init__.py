@@ -128,6 +128,8 @@ def load_model(
             arena.populate_in_background()
         tokenizer = load_tokenizer(model_dir)
         net = build_quantized_model(run_cfg, state, bits, dtype=torch_dtype(dtype), device=device, arena=arena)
+        if arena is not None:
+            arena.release_unused()
     return LoadedModel(model=net, config=run_cfg, tokenizer=tokenizer, path=model_dir, sampling_defaults=sampling)
 
 
