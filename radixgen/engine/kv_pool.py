@@ -77,13 +77,17 @@ class RowAllocator:
 
 
 def _unwritten_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
-    if torch.device(device).type == "cpu":
+    fresh_mapping = torch.device(device).type == "cpu"
+    if fresh_mapping:
         pool = huge_page_empty(shape, dtype)  # decode streams it like the weights: see host_memory
     else:
         pool = torch.empty(shape, dtype=dtype, device=device)
     if UNWRITTEN_FILL is not None:
         pool.fill_(UNWRITTEN_FILL)
-    pool[:, PAD_SLOT] = 0  # padded rows read it
+    if UNWRITTEN_FILL is not None or not fresh_mapping:
+        # padded rows read it; a fresh anonymous mapping already reads as zeros, and writing them
+        # would fault in a huge page per layer at every start (96 MiB for a 24-layer model)
+        pool[:, PAD_SLOT] = 0
     return pool
 
 

@@ -94,3 +94,28 @@ def test_a_rollback_past_the_computed_kv_keeps_what_was_computed() -> None:
     kv.release(req, cache=True)
     kv.check_invariant([])
     assert kv.cached_tokens() == 5 and np.isin(slots[:5], kv.tree.all_slots()).all()
+
+
+def test_a_cpu_pool_starts_with_a_zero_pad_slot_and_nothing_resident(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Left unfilled (the default outside the tests), a CPU pool is a fresh mapping: its pad slot
+    reads as zeros without a write, and no layer's pages are faulted in by the start."""
+    import re
+    from pathlib import Path
+
+    import torch
+
+    from radixgen.engine import kv_pool
+
+    monkeypatch.setattr(kv_pool, "UNWRITTEN_FILL", None)
+
+    def resident_anon() -> int:
+        text = Path("/proc/self/smaps_rollup").read_text()
+        return int(re.search(r"^Anonymous:\s+(\d+)", text, re.M).group(1)) * 1024  # type: ignore[union-attr]
+
+    before = resident_anon()
+    pool = KVPool(num_slots=4095, num_layers=8, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, device="cpu",
+                  max_rows=4, max_context_len=64)  # 2 MiB a layer: a huge page each
+    grew = resident_anon() - before
+    assert grew < 4 << 20, f"{grew} bytes faulted in at the start"
+    for cache in (pool.k, pool.v):
+        assert not cache[:, PAD_SLOT].any()
