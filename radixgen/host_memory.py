@@ -127,8 +127,13 @@ class WeightArena:
         self.used = start + nbytes
         return self.bytes[start : start + nbytes].view(dtype).view(shape)
 
+    @property
+    def storage_ptr(self) -> int:
+        """Where the mapping's storage starts: every tensor taken from the arena shares it."""
+        return self.bytes.untyped_storage().data_ptr()
+
     def holds(self, tensor: torch.Tensor) -> bool:
-        return tensor.untyped_storage().data_ptr() == self.bytes.untyped_storage().data_ptr()
+        return tensor.untyped_storage().data_ptr() == self.storage_ptr
 
     def populate_in_background(self) -> None:
         """Fault the whole arena in on a thread, without the GIL (what is written meanwhile stays:
@@ -196,13 +201,11 @@ def move_into_huge_pages(tensors: Iterable[torch.Tensor], placed: WeightArena | 
     for tensor in tensors:
         if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_sparse:
             continue
-        if placed is not None and placed.holds(tensor):
-            continue
         try:
             storage = tensor.untyped_storage()
         except (NotImplementedError, RuntimeError):  # opaque (oneDNN-packed) tensors
             continue
-        if storage.nbytes() == 0:
+        if storage.nbytes() == 0 or (placed is not None and storage.data_ptr() == placed.storage_ptr):
             continue
         key = storage.data_ptr()
         storages.setdefault(key, storage)

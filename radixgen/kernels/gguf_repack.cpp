@@ -55,7 +55,7 @@ inline float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// One group of 32 weights as the record holds it: q (unsigned, 8 bits: signed), its scale(s) and min.
+// One group of 32 weights of a K-quant block as the record holds it: q (unsigned), its scale(s) and min.
 struct Group {
   int32_t q[kGroup];
   float scale[2];
