@@ -103,9 +103,9 @@ class WeightArena:
     """One huge-page mapping that weights are written into as they are made (a GGUF's records, by
     the repack), so they need no move into huge pages after: ``take`` hands out its bytes in order,
     each tensor on a cache line. Faulting a huge page in costs the kernel a zeroing and, where
-    free memory is fragmented, a compaction (0.05-1.2 s for half a GiB here, varying from start to
-    start); ``populate_in_background`` has that done by a thread of its own while the start does
-    other work."""
+    free memory is fragmented, a compaction, which can cost more than the writes themselves
+    (benchmarks/README.md); ``populate_in_background`` has that done by a thread of its own while
+    the start does other work."""
 
     def __init__(self, nbytes: int) -> None:
         self.bytes = huge_page_bytes(nbytes)
