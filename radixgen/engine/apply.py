@@ -93,9 +93,6 @@ class StepApplier:
         handed to callbacks (finals always)."""
         outputs: list[RequestOutput] = []
         drafter = self.planner.drafter
-        if drafter.active:
-            drafting_s = drafter.last_draft_s if plan.kind is StepKind.SPECULATIVE else 0.0
-            drafter.cost.observe(plan, forward_s + drafting_s)
         num_prefill = plan.num_prefill if plan.kind.runs_as_extend else 0
         rest: list[int] = []  # the rows left to the per-request path
         token_ids: list[int] = []

@@ -77,7 +77,8 @@ class Verdict:
 
 class DraftCost:
     """What a drafted position costs against what an accepted one saves, measured on this
-    engine's own steps, per batch size (rounded up to a power of two): a step of B rows and E
+    engine's own steps (each from its planning to the end of its applying: the host work a draft
+    adds counts with the forward's), per batch size (rounded up to a power of two): a step of B rows and E
     drafted positions takes a + b*B + m*E, fitted by least squares over the bucket's recent
     steps (decode steps are E = 0). B is in the fit because the batch shrinks inside a bucket
     while the drafts shrink with it: fitted on E alone, m would take the rows' cost as the

@@ -85,6 +85,7 @@ class StepPipeline:
 
     def run(self) -> None:
         """Plan a step, run it and hand out its results (loop thread only); nothing when idle."""
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan is None:
             return
@@ -96,6 +97,15 @@ class StepPipeline:
             self.scheduler.fail_step(plan, f"internal error: {type(e).__name__}: {e}")
             return
         self._apply(plan, outcome)
+        # the whole step, planning and applying included: a drafted row costs host work there too
+        # (its drafts walked through the automaton, its tokens appended one by one), and a draft
+        # pays only if the loop, not the forward alone, runs faster for it
+        self._observe_cost(plan, time.perf_counter() - started)
+
+    def _observe_cost(self, plan: StepPlan, seconds: float) -> None:
+        drafter = self.scheduler.planner.drafter
+        if drafter.active:
+            drafter.cost.observe(plan, seconds)
 
     def settle(self) -> None:
         """Apply the step in flight, if any, and plan none after it (the loop's state is then a
@@ -232,6 +242,9 @@ class OverlapPipeline(StepPipeline):
             keep = self._landed(plan)
             if keep is None:
                 self._apply(plan, outcome)
+                # planning and applying overlap other steps here: the step's own device half
+                drafting_s = self.scheduler.planner.drafter.last_draft_s if plan.kind is StepKind.SPECULATIVE else 0.0
+                self._observe_cost(plan, outcome.forward_s + drafting_s)
             elif keep.any():
                 self._apply(plan.decode_rows(keep), StepOutcome(outcome.result.rows(keep), None, outcome.forward_s))
         finally:

@@ -506,3 +506,28 @@ def test_drafting_backs_off_in_a_large_batch_unless_a_request_asks(make_engine: 
     asked = dataclasses.replace(params, speculative=True)
     assert [o.token_ids for o in capped.generate(prompts, asked)] == expected
     assert capped.scheduler.stats.drafted_tokens - before >= small.scheduler.stats.drafted_tokens // 2
+
+
+def test_the_draft_cost_is_each_steps_whole_time_planning_and_applying_included(
+        make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drafted row costs host work outside the forward too (its drafts walked, its tokens
+    appended one by one): the cost model is given each decode and speculative step's time from
+    its planning to the end of its applying, so a slower applying shows in what it measures."""
+    import time
+
+    from radixgen.engine.plan import StepKind
+
+    engine = make_engine(speculative="ngram")
+    applier, drafter = engine.scheduler.applier, engine.scheduler.planner.drafter
+    applying = applier.process_results
+    seen: list[tuple[StepKind, float]] = []
+
+    def slow_applying(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.02)
+        return applying(*args, **kwargs)
+
+    monkeypatch.setattr(applier, "process_results", slow_applying)
+    monkeypatch.setattr(drafter.cost, "observe", lambda plan, seconds: seen.append((plan.kind, seconds)))
+    engine.generate([PROMPTS[1]], greedy(24))
+    assert {kind for kind, _ in seen} >= {StepKind.SPECULATIVE}
+    assert all(seconds >= 0.02 for _, seconds in seen), seen
