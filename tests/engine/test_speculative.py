@@ -531,3 +531,25 @@ def test_the_draft_cost_is_each_steps_whole_time_planning_and_applying_included(
     engine.generate([PROMPTS[1]], greedy(24))
     assert {kind for kind, _ in seen} >= {StepKind.SPECULATIVE}
     assert all(seconds >= 0.02 for _, seconds in seen), seen
+
+
+def test_measured_back_off_drafts_only_where_acceptance_beats_break_even_by_a_margin() -> None:
+    """At break-even a draft gains nothing and the fit's error decides: a request drafts where its
+    acceptance is a tenth above the measured break-even, not where it only just passes it."""
+    from types import SimpleNamespace
+
+    from radixgen.config import EngineConfig
+    from radixgen.engine.ngram import DraftState, NgramIndex
+    from radixgen.engine.speculative import NgramDrafter
+
+    drafter = NgramDrafter(EngineConfig(), max_context_len=1024)
+    for drafted in (0, 16, 32, 48) * 3:  # 16 ms a step, 0.25 ms a drafted position: break-even 0.25
+        drafter.cost.observe_step(16, drafted, 0.016 + 0.00025 * drafted)
+    assert drafter.cost.break_even(16) == pytest.approx(0.25)
+
+    def request(accepted: int) -> Any:
+        return SimpleNamespace(params=SimpleNamespace(speculative=None, constraint=SimpleNamespace(kind="json")),
+                               speculation=DraftState(NgramIndex(3), drafted=100, accepted=accepted))
+
+    assert not drafter.drafting(request(27), 16), "0.27: past break-even, within its margin"
+    assert drafter.drafting(request(28), 16), "0.28: a tenth past it"
