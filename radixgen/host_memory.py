@@ -11,7 +11,6 @@ to ``madvise`` or ``always``) and with small pages otherwise, so nothing fails w
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -52,13 +51,8 @@ def keep_freed_memory_for_reuse() -> bool:
     top keeps those pages mapped; the price is that the process holds its peak heap (vLLM's
     CPU backend preloads tcmalloc for the same reason). Returns whether glibc took the settings
     (elsewhere nothing changes)."""
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     ok = all(mallopt(param, value) == 1 for param, value in (
         (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, _TOP_PAD)))
@@ -71,11 +65,9 @@ def release_freed_memory() -> None:
     """Hand the memory malloc holds free back to the kernel once (``malloc_trim``): after
     ``move_into_huge_pages`` the weights' old heap pages would otherwise stay resident for good
     (``keep_freed_memory_for_reuse`` turns trimming off)."""
-    name = ctypes.util.find_library("c")
-    if not name:
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(name).malloc_trim(0)
+    malloc_trim = getattr(_libc(), "malloc_trim", None)
+    if malloc_trim is not None:
+        malloc_trim(0)
 
 
 def huge_page_bytes(nbytes: int) -> torch.Tensor:
@@ -175,13 +167,24 @@ class WeightArena:
 
 
 @functools.cache
-def _madvise() -> Any:
-    """libc's madvise (called without the GIL), or None where there is no libc to load."""
+def _libc() -> ctypes.CDLL | None:
+    """The C library (its functions called without the GIL), loaded once; None where there is none
+    to load."""
     name = ctypes.util.find_library("c")
     if not name:
         return None
-    madvise = ctypes.CDLL(name, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    try:
+        return ctypes.CDLL(name, use_errno=True)
+    except OSError:
+        return None
+
+
+@functools.cache
+def _madvise() -> Any:
+    """libc's madvise, or None."""
+    madvise = getattr(_libc(), "madvise", None)
+    if madvise is not None:
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return madvise
 
 
