@@ -112,6 +112,16 @@ using Blocks = void (*)(const Activations&, const uint8_t*, int64_t, int64_t, in
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define RADIXGEN_QUANT_AVX512 1
 
+// A batch-1 step streams every record from memory once and does little arithmetic on each: every
+// line of the record this many ahead is asked for while the current one is multiplied (leaving
+// most lines to the hardware's prefetcher kept a 7B model's linears well below the memory's speed).
+constexpr int64_t kRecordsAhead = 8;
+
+template <int64_t kBytes>
+inline void prefetch_record(const uint8_t* record) {
+  for (int64_t off = 0; off < kBytes; off += 64) __builtin_prefetch(record + off);
+}
+
 // Blocks [begin, end) of 16 rows against kTokens tokens. kSplit integer accumulators per token
 // (two where few tokens leave the multiply-adds' latency exposed): integer sums are exact, so the
 // split does not change a result. 6 bits: always two, one per half of the group (each half has
@@ -132,8 +142,7 @@ void blocks_avx512(const Activations& a, const uint8_t* __restrict packed, int64
     for (int t = 0; t < kTokens; ++t) facc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* __restrict rec = block + g * stride;
-      _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * stride), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * stride + 64 * 4), _MM_HINT_T0);
+      prefetch_record<stride>(rec + kRecordsAhead * stride);
       __m512i iacc[kTokens][kSplit];
       for (int t = 0; t < kTokens; ++t)
         for (int s = 0; s < kSplit; ++s) iacc[t][s] = _mm512_setzero_si512();
