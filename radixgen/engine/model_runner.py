@@ -18,7 +18,7 @@ from radixgen.host_memory import (
     move_into_huge_pages,
     release_freed_memory,
 )
-from radixgen.kernels import CpuKernels, cpu_kernels
+from radixgen.kernels import CpuKernels, cpu_kernels, quant_layout
 from radixgen.models import CausalLM, LoadedModel, load_model, torch_dtype
 from radixgen.models.attention import create_backend
 from radixgen.models.quantized import QuantizedLinear
@@ -63,7 +63,7 @@ def describe_weights(model: CausalLM) -> str:
     quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     if not quantized:
         return f"dense {str(model.embed.dtype).removeprefix('torch.')}"
-    bits = sorted({b for m in quantized for b in m.widths})
+    bits = sorted({quant_layout.value_bits(kind) for m in quantized for kind in m.kinds})
     return f"{'/'.join(map(str, bits))}-bit blocks ({len(quantized)} linears)"
 
 

@@ -11,8 +11,9 @@
 //   Q5_K 176 bytes: as Q4_K with 32 bytes of high bits (bit s of byte l: sub-block s, element l)
 //   Q6_K 210 bytes: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16), d;
 //        w = d * sc * (q - 32)
-// The K-quants' products d * sc and dmin * m are rounded to float16, the records' scale type
-// (within 2^-11 of the float32 product).
+// The legacy types become group records (each group's float16 factors beside its values), the
+// K-quants super-block records that keep the codes and float16 factors as they are, so that every
+// record is exact and no larger than the blocks it came from.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -30,36 +31,28 @@ namespace radixgen_gguf {
 enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 struct TypeInfo {
-  int64_t block_weights, block_bytes, record_bits;
+  int64_t block_weights, block_bytes, record_kind;
 };
 
 constexpr TypeInfo type_info(int64_t type) {
   switch (type) {
-    case kQ4_0: return {32, 18, 4};
+    case kQ4_0: return {32, 18, radixgen::records::kOffset + 4};
     case kQ4_1: return {32, 20, 4};
-    case kQ5_0: return {32, 22, 5};
+    case kQ5_0: return {32, 22, radixgen::records::kOffset + 5};
     case kQ5_1: return {32, 24, 5};
     case kQ8_0: return {32, 34, 8};
-    case kQ4_K: return {256, 144, 4};
-    case kQ5_K: return {256, 176, 5};
-    case kQ6_K: return {256, 210, 6};
+    case kQ4_K: return {256, 144, radixgen::records::kSuper + 4};
+    case kQ5_K: return {256, 176, radixgen::records::kSuper + 5};
+    case kQ6_K: return {256, 210, radixgen::records::kSuper + 6};
     default: TORCH_CHECK(false, "gguf_repack: unsupported ggml type id ", type);
   }
 }
 
 using namespace radixgen::records;
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
-// One group of 32 weights of a K-quant block as the record holds it: q (unsigned), its scale(s) and min.
+// One group of 32 weights of a K-quant block: its values (unsigned; Q6_K's before the - 32).
 struct Group {
   int32_t q[kGroup];
-  float scale[2];
-  float min;
 };
 
 // Q4_K / Q5_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4)
@@ -72,17 +65,13 @@ inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {
   }
 }
 
-// One group of a K-quant block, decoded; templated on the type so that every layout choice and
-// loop bound folds at compile time (a start repacks every weight of the file).
+// The values of one group of a K-quant block; templated on the type so that every layout choice
+// and loop bound folds at compile time (a start repacks every weight of the file).
 template <int64_t kType>
 inline void decode_group(const uint8_t* row, int64_t g, Group& out) {
-  out.scale[1] = 0.f, out.min = 0.f;
   if constexpr (kType == kQ4_K || kType == kQ5_K) {
     const int s = static_cast<int>(g % 8);
     const uint8_t* b = row + (g / 8) * (kType == kQ4_K ? 144 : 176);
-    int sc, m;
-    scale_min_k4(s, b + 4, &sc, &m);
-    out.scale[0] = half_at(b) * sc, out.min = -half_at(b + 2) * m;
     const uint8_t* qs = b + (kType == kQ4_K ? 16 : 48) + 32 * (s / 2);
     const int shift = s % 2 ? 4 : 0;
     for (int l = 0; l < 32; ++l) out.q[l] = (qs[l] >> shift) & 0xF;
@@ -94,20 +83,17 @@ inline void decode_group(const uint8_t* row, int64_t g, Group& out) {
     const uint8_t* b = row + (g / 8) * 210;
     const uint8_t* ql = b + 64 * half + (quarter % 2) * 32;
     const uint8_t* qh = b + 128 + 32 * half;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * half + 2 * quarter;
-    const float d = half_at(b + 208);
     const int low_shift = quarter < 2 ? 0 : 4, high_shift = 2 * quarter;
     for (int l = 0; l < 32; ++l) out.q[l] = ((ql[l] >> low_shift) & 0xF) | (((qh[l] >> high_shift) & 3) << 4);
-    out.scale[0] = d * sc[0], out.scale[1] = d * sc[1];
   }
 }
 
-// One record: the same group of 16 rows (rows past the tensor's end hold zeros), each byte
-// composed once from the rows' values and stored, instead of nibbles OR-ed in one at a time.
+// One group's values in a record: the same group of 16 rows (rows past the tensor's end hold
+// zeros), each byte composed once from the rows' values and stored, instead of nibbles OR-ed in
+// one at a time.
 template <int kBits>
-inline void write_record(const Group* grp, uint8_t* rec) {
+inline void write_values(const Group* grp, uint8_t* rec) {
   static_assert(kBits != 8, "8-bit records come from Q8_0 blocks (write_legacy_record)");
-  constexpr int64_t qbytes = quant_bytes(kBits);
   // lane 2r + j of nibble chunk c: element 2c + j (low nibble) and 2c + j + 16 (high nibble)
   for (int64_t c = 0; c < 8; ++c)
     for (int64_t r = 0; r < kBlockRows; ++r)
@@ -129,14 +115,46 @@ inline void write_record(const Group* grp, uint8_t* rec) {
           rec[256 + k * 32 + 2 * r + j] = static_cast<uint8_t>(byte);
         }
   }
-  auto put_half = [&](int64_t offset, int64_t r, float value) {
-    const uint16_t bits16 = c10::Half(value).x;
-    std::memcpy(rec + offset + 2 * r, &bits16, 2);
-  };
-  for (int64_t r = 0; r < kBlockRows; ++r) {
-    put_half(qbytes, r, grp[r].scale[0]);
-    if constexpr (has_min(kBits)) put_half(qbytes + kScaleBytes, r, grp[r].min);
-    if constexpr (kBits == 6) put_half(qbytes + kScaleBytes, r, grp[r].scale[1]);
+}
+
+// Super-block j of rows [first, first + rows_here) as one super-block record (quant_records.h):
+// the values regrouped, the codes and float16 factors copied as the blocks hold them.
+template <int64_t kType>
+inline void write_super_record(const uint8_t* first_row, int64_t row_bytes, int64_t rows_here, int64_t j,
+                               uint8_t* rec) {
+  constexpr int64_t kKind = type_info(kType).record_kind, qbytes = quant_bytes(kKind);
+  constexpr int kBits = value_bits(kKind);
+  uint8_t* parts = rec + kSuperGroups * qbytes;
+  uint8_t* head = parts + kSuperGroups * super_scale_bytes(kKind);
+  // the codes are OR-ed into their bytes; rows past the tensor's end have zero factors (and values)
+  std::memset(parts, 0, kSuperGroups * super_scale_bytes(kKind));
+  if (rows_here < kBlockRows) std::memset(head, 0, super_head_bytes(kKind));
+  for (int64_t r = 0; r < rows_here; ++r) {
+    const uint8_t* b = first_row + r * row_bytes + j * type_info(kType).block_bytes;
+    if constexpr (kBits == 6) {
+      std::memcpy(head + 2 * r, b + 208, 2);
+      for (int s = 0; s < 8; ++s) {  // the int8 scales of elements 0..15 and 16..31 of group s
+        parts[32 * s + r] = b[192 + 2 * s];
+        parts[32 * s + 16 + r] = b[192 + 2 * s + 1];
+      }
+    } else {
+      std::memcpy(head + 2 * r, b, 2);
+      std::memcpy(head + kScaleBytes + 2 * r, b + 2, 2);
+      const int i = static_cast<int>(r % 8), upper = static_cast<int>(r / 8);
+      for (int s = 0; s < 8; ++s) {
+        int sc, m;
+        scale_min_k4(s, b + 4, &sc, &m);
+        uint8_t* part = parts + 24 * s;
+        part[i] |= static_cast<uint8_t>((sc & 0xF) << (4 * upper));
+        part[8 + i] |= static_cast<uint8_t>((m & 0xF) << (4 * upper));
+        part[16 + i] |= static_cast<uint8_t>((sc >> 4) << (2 * upper) | (m >> 4) << (2 * upper + 4));
+      }
+    }
+  }
+  for (int s = 0; s < 8; ++s) {
+    Group grp[kBlockRows] = {};
+    for (int64_t r = 0; r < rows_here; ++r) decode_group<kType>(first_row + r * row_bytes, j * 8 + s, grp[r]);
+    write_values<kBits>(grp, rec + s * qbytes);
   }
 }
 
@@ -149,13 +167,13 @@ template <int64_t kType>
 inline void write_legacy_record(const uint8_t* first_row, int64_t row_bytes, int64_t rows_here, int64_t g,
                                 uint8_t* rec) {
   constexpr TypeInfo info = type_info(kType);
-  constexpr int kBits = static_cast<int>(info.record_bits);
+  constexpr int64_t kKind = info.record_kind;
+  constexpr int kBits = value_bits(kKind);
   constexpr bool with_min = kType == kQ4_1 || kType == kQ5_1, five_bits = kBits == 5;
-  constexpr int64_t qbytes = quant_bytes(kBits);
-  if (rows_here < kBlockRows) std::memset(rec, 0, record_bytes(kBits));  // rows past the end: zero weights
+  constexpr int64_t qbytes = quant_bytes(kKind);
+  if (rows_here < kBlockRows) std::memset(rec, 0, record_bytes(kKind));  // rows past the end: zero weights
   for (int64_t r = 0; r < rows_here; ++r) {
     const uint8_t* b = first_row + r * row_bytes + g * info.block_bytes;
-    const float d = half_at(b);
     const uint8_t* qs = b + (with_min ? 4 : 2) + (five_bits ? 4 : 0);
     constexpr int64_t pairs = kBits == 8 ? 16 : 8;  // 32 int8 values, or 16 bytes of nibbles
     for (int64_t pair = 0; pair < pairs; ++pair)
@@ -175,19 +193,14 @@ inline void write_legacy_record(const uint8_t* first_row, int64_t row_bytes, int
           rec[256 + 32 * k + 2 * r + j] = static_cast<uint8_t>(byte);
         }
     }
-    const uint16_t scale = c10::Half(d).x;
-    std::memcpy(rec + qbytes + 2 * r, &scale, 2);
-    if constexpr (has_min(kBits)) {
-      const uint16_t min = c10::Half(with_min ? half_at(b + 2) : (five_bits ? -16.f : -8.f) * d).x;
-      std::memcpy(rec + qbytes + kScaleBytes + 2 * r, &min, 2);
-    }
+    std::memcpy(rec + qbytes + 2 * r, b, 2);  // the float16 scale (and minimum) as the block holds them
+    if constexpr (with_min) std::memcpy(rec + qbytes + kScaleBytes + 2 * r, b + 2, 2);
   }
 }
 
 template <int64_t kType>
 void repack_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t groups, int64_t row_bytes) {
-  constexpr int kBits = static_cast<int>(type_info(kType).record_bits);
-  constexpr int64_t stride = record_bytes(kBits);
+  constexpr int64_t kKind = type_info(kType).record_kind, stride = record_bytes(kKind);
   const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
@@ -197,11 +210,8 @@ void repack_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t groups,
         for (int64_t g = 0; g < groups; ++g)
           write_legacy_record<kType>(src + first * row_bytes, row_bytes, here, g, records + g * stride);
       } else {
-        Group grp[kBlockRows] = {};
-        for (int64_t g = 0; g < groups; ++g) {
-          for (int64_t r = 0; r < here; ++r) decode_group<kType>(src + (first + r) * row_bytes, g, grp[r]);
-          write_record<kBits>(grp, records + g * stride);
-        }
+        for (int64_t j = 0; j < groups / kSuperGroups; ++j)
+          write_super_record<kType>(src + first * row_bytes, row_bytes, here, j, records + j * super_bytes(kKind));
       }
     }
   });
@@ -217,7 +227,7 @@ std::vector<int64_t> record_shape(const at::Tensor& raw, int64_t type, int64_t c
               info.block_weights);
   TORCH_CHECK(raw.size(1) == cols / info.block_weights * info.block_bytes, "gguf_repack: rows of ", raw.size(1),
               " bytes, expected ", cols / info.block_weights * info.block_bytes, " for ", cols, " weights");
-  return {(raw.size(0) + kBlockRows - 1) / kBlockRows, cols / kGroup, record_bytes(info.record_bits)};
+  return {(raw.size(0) + kBlockRows - 1) / kBlockRows, cols / kGroup, record_bytes(info.record_kind)};
 }
 
 // The records of raw written into `out` (a slice of the weights' arena, or fresh memory); every

@@ -33,7 +33,7 @@ SCHEMAS = {
                       "Tensor(b!) v_cache, Tensor out_cache_loc, int num_heads) -> Tensor"),
     "silu_mul": "silu_mul(Tensor gate_up) -> Tensor",
     "small_linear": "small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
-    "quant_linear": "quant_linear(Tensor x, Tensor packed, int out_features, int bits) -> Tensor",
+    "quant_linear": "quant_linear(Tensor x, Tensor packed, int out_features, int kind) -> Tensor",
     "argmax_rows": "argmax_rows(Tensor logits) -> Tensor",
     "apply_bitmask": "apply_bitmask(Tensor(a!) logits, Tensor bitmask) -> ()",
 }
@@ -56,7 +56,7 @@ def _fake_small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def _fake_quant_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bits: int) -> torch.Tensor:
+def _fake_quant_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, kind: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 

@@ -1,15 +1,16 @@
-"""The layout ``quant_linear.cpp`` reads a 4-, 5-, 6- or 8-bit weight in, and the weight's values from it.
+"""The records ``quant_linear.cpp`` reads a quantized weight from, and the weight's values from them.
 
-A weight arrives as three arrays (``qweight``: uint8 nibble pairs for 4 bits, int8 for 8;
-``scales`` and, 4-bit, ``mins`` [out, in / 32] in float16; w = q * scale + min), as GGUF's
-blocks map onto them. The kernel holds it as output rows in blocks of 16 (zero rows pad the last
-one) and, per block and group of 32 inputs, one record of the 16 rows' quantized bytes, then
-their float16 scales and (4-bit) minimums, so a step reads W front to back as one sequence:
+A weight quantized here arrives as three arrays (``qweight``: uint8 nibble pairs for 4 bits, int8
+for 8; ``scales`` and, 4-bit, ``mins`` [out, in / 32] in float16; w = q * scale + min);
+``interleave`` writes them as the kernel holds them: output rows in blocks of 16 (zero rows pad
+the last one) and, per block and group of 32 inputs, one record of the 16 rows' quantized bytes,
+then their float16 scales and (4-bit) minimums, so a step reads W front to back as one sequence:
 uint8 [ceil(out / 16), in / 32, record bytes] (4-bit 320, 8-bit 544).
 
-The 5- and 6-bit records (GGUF's Q5 and Q6_K blocks, written by ``gguf_repack.cpp``, whose header
-gives their bytes) add the values' high bits after the nibbles; 6 bits holds q - 32 with a scale
-per 16 elements. ``dequantize_records`` reads every width.
+A GGUF's blocks are written by ``gguf_repack.cpp`` into records of the kind of their type (its
+header and ``quant_records.h`` give the bytes): the same group records for Q4_1, Q5_1 (a plane of
+high bits after the nibbles) and Q8_0, group records without minimums for Q4_0 and Q5_0, and
+super-block records for the K-quants. ``dequantize_records`` reads every kind.
 """
 
 from __future__ import annotations
@@ -89,13 +90,50 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, 
     return w.view(out, in_features).to(dtype)
 
 
-def record_bytes(bits: int) -> int:
-    return quant_bytes(bits) + (1 if bits == 8 else 2) * 2 * BLOCK_ROWS
+SUPER, OFFSET = 100, 200
+"""Record kinds (quant_records.h): 4, 5 and 8 are group records of that many bits; OFFSET + bits
+group records whose minimum is the scale times -2^(bits - 1), not stored (Q4_0, Q5_0); SUPER + bits
+super-block records (the K-quants)."""
+SUPER_GROUPS = 8
+K4, K5, K6 = SUPER + 4, SUPER + 5, SUPER + 6
+"""The record kinds of Q4_K, Q5_K and Q6_K."""
+OFFSET4, OFFSET5 = OFFSET + 4, OFFSET + 5
+"""The record kinds of Q4_0 and Q5_0."""
 
 
-def quant_bytes(bits: int) -> int:
-    """Bytes of a record's integers (its float16 vectors follow)."""
+def is_super(kind: int) -> bool:
+    return kind // 100 == SUPER // 100
+
+
+def is_offset(kind: int) -> bool:
+    return kind // 100 == OFFSET // 100
+
+
+def value_bits(kind: int) -> int:
+    return kind % 100
+
+
+def record_bytes(kind: int) -> int:
+    """Bytes per block of 16 rows and group of 32 inputs: the records' last dimension (super-block
+    records: an eighth of one)."""
+    if is_super(kind):
+        return super_bytes(kind) // SUPER_GROUPS
+    return quant_bytes(kind) + (1 if kind == 8 or is_offset(kind) else 2) * 2 * BLOCK_ROWS
+
+
+def quant_bytes(kind: int) -> int:
+    """Bytes of one group's integers for 16 rows."""
+    bits = value_bits(kind)
     return 512 if bits == 8 else 256 + 64 * (bits - 4)
+
+
+def super_scale_bytes(kind: int) -> int:
+    return 32 if value_bits(kind) == 6 else 24
+
+
+def super_bytes(kind: int) -> int:
+    head = 2 * BLOCK_ROWS * (1 if value_bits(kind) == 6 else 2)
+    return SUPER_GROUPS * (quant_bytes(kind) + super_scale_bytes(kind)) + head
 
 
 def _lanes(part: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -108,12 +146,9 @@ def _lanes(part: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return lanes[torch.arange(blocks, device=part.device), :, :, rows].unsqueeze(3)
 
 
-def _halves(part: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """A record's float16 vector [B, G, 32 bytes] as float32 [B, G, R]."""
-    values = part.contiguous().view(torch.float16).float()
-    if rows is None:
-        return values
-    return values[torch.arange(values.shape[0], device=part.device), :, rows].unsqueeze(-1)
+def _halves(part: torch.Tensor) -> torch.Tensor:
+    """A record's float16 vector [B, G, 32 bytes] as float32 [B, G, 16]."""
+    return part.contiguous().view(torch.float16).float()
 
 
 _DECODE_BLOCKS = 64
@@ -121,35 +156,52 @@ _DECODE_BLOCKS = 64
 times its float size."""
 
 
-def dequantize_records(records: torch.Tensor, bits: int, rows: torch.Tensor | None = None,
+def dequantize_records(records: torch.Tensor, kind: int, rows: torch.Tensor | None = None,
                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The float weight rows of ``records`` [B, groups, record bytes] of any width: all 16 rows of
+    """The float weight rows of ``records`` [B, groups, record bytes] of any kind: all 16 rows of
     each block ([B * 16, in], padding included), or row ``rows[i]`` of block i ([B, in])."""
     blocks, groups, _ = records.shape
     if blocks <= _DECODE_BLOCKS:
-        return _decode(records, bits, rows, dtype)
+        return _decode(records, kind, rows, dtype)
     per_block = 1 if rows is not None else BLOCK_ROWS
     out = torch.empty(blocks * per_block, groups * GROUP, dtype=dtype, device=records.device)
     for start in range(0, blocks, _DECODE_BLOCKS):
         end = min(start + _DECODE_BLOCKS, blocks)
         out[start * per_block : end * per_block] = _decode(
-            records[start:end], bits, None if rows is None else rows[start:end], dtype)
+            records[start:end], kind, None if rows is None else rows[start:end], dtype)
     return out
 
 
-def _decode(records: torch.Tensor, bits: int, rows: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def _decode(records: torch.Tensor, kind: int, rows: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     blocks, groups, _ = records.shape
-    qbytes = quant_bytes(bits)
+    bits, qbytes = value_bits(kind), quant_bytes(kind)
+    if is_super(kind):  # 8 groups' values, their scale parts, the rows' float16 factors
+        scale_bytes = super_scale_bytes(kind)
+        whole = records.reshape(blocks, groups // SUPER_GROUPS, super_bytes(kind))
+        values = whole[..., : SUPER_GROUPS * qbytes].reshape(blocks, groups, qbytes)
+        parts = whole[..., SUPER_GROUPS * qbytes : SUPER_GROUPS * (qbytes + scale_bytes)]
+        first, second = _super_factors(parts.reshape(blocks, -1, SUPER_GROUPS, scale_bytes),
+                                       whole[..., SUPER_GROUPS * (qbytes + scale_bytes) :], bits)
+    else:
+        values = records[..., :qbytes]
+        first = _halves(records[..., qbytes : qbytes + 32])
+        if is_offset(kind):
+            second = first * -float(2 ** (bits - 1))
+        else:
+            second = _halves(records[..., qbytes + 32 : qbytes + 64]) if bits != 8 else torch.zeros_like(first)
+    if rows is not None:
+        picked = torch.arange(blocks, device=records.device)
+        first, second = first[picked, :, rows].unsqueeze(-1), second[picked, :, rows].unsqueeze(-1)
     if bits == 8:  # chunk p holds elements 2p, 2p + 1
-        q = _lanes(records[..., :qbytes], rows).view(torch.int8).permute(0, 1, 3, 2, 4)
+        q = _lanes(values, rows).view(torch.int8).permute(0, 1, 3, 2, 4)
         q = q.reshape(blocks, groups, q.shape[2], GROUP).float()
     else:  # chunk c: low nibbles are elements 2c + j, high nibbles 2c + j + 16
-        nibbles = _lanes(records[..., :256], rows).to(torch.int32)
+        nibbles = _lanes(values[..., :256], rows).to(torch.int32)
         low, high = nibbles & 0x0F, nibbles >> 4
         if bits != 4:
             extra, shared = bits - 4, (2 if bits == 5 else 4)
             chunk = torch.arange(8, device=records.device)
-            upper = _lanes(records[..., 256:qbytes], rows).to(torch.int32)[:, :, chunk % shared]
+            upper = _lanes(values[..., 256:qbytes], rows).to(torch.int32)[:, :, chunk % shared]
             upper = upper >> ((chunk // shared) * 2 * extra).view(1, 1, 8, 1, 1)
             mask = (1 << extra) - 1
             low = low | ((upper & mask) << 4)
@@ -158,16 +210,39 @@ def _decode(records: torch.Tensor, bits: int, rows: torch.Tensor | None, dtype: 
         q = torch.cat(halves, dim=-1).float()
         if bits == 6:
             q = q - 32
-    scale = _halves(records[..., qbytes : qbytes + 32], rows)[..., None]
+    scale = first[..., None]
     if bits == 6:  # elements 16..31 have a scale of their own
-        second = _halves(records[..., qbytes + 32 : qbytes + 64], rows)[..., None]
-        scale = torch.cat([scale.expand(-1, -1, -1, GROUP // 2), second.expand(-1, -1, -1, GROUP // 2)], dim=-1)
+        scale = torch.cat([scale.expand(-1, -1, -1, GROUP // 2), second[..., None].expand(-1, -1, -1, GROUP // 2)],
+                          dim=-1)
     w = q * scale
     if bits in (4, 5):
-        w = w + _halves(records[..., qbytes + 32 : qbytes + 64], rows)[..., None]
+        w = w + second[..., None]
     return w.permute(0, 2, 1, 3).reshape(-1, groups * GROUP).to(dtype)
 
 
-def dequantize_packed(packed: torch.Tensor, out_features: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """The float [out_features, in] weight of a weight held in the kernel's layout."""
-    return dequantize_records(packed, bits, dtype=dtype)[:out_features]
+def _super_factors(parts: torch.Tensor, head: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A super-block record's group factors (quant_records.h's ``group_factors``), float32 [B, G, 16]
+    each, from its scale parts [B, S, 8, part bytes] and float16 factors [B, S, head bytes]."""
+    blocks, supers = parts.shape[:2]
+    factors = head.contiguous().view(torch.float16).float()[:, :, None, :]  # [B, S, 1, 16 or 32]
+    if bits == 6:
+        codes = parts.contiguous().view(torch.int8).float()
+        first, second = factors * codes[..., :BLOCK_ROWS], factors * codes[..., BLOCK_ROWS:]
+    else:
+        row = torch.arange(BLOCK_ROWS, device=parts.device)
+        byte, upper = row % 8, row // 8
+        p = parts.to(torch.int32)
+
+        def code(field: int, high_offset: int) -> torch.Tensor:
+            low = (p[..., 8 * field + byte] >> (4 * upper)) & 0xF
+            return low | ((p[..., 16 + byte] >> (2 * upper + high_offset)) & 3) << 4
+
+        first = factors[..., :BLOCK_ROWS] * code(0, 0).float()
+        second = factors[..., BLOCK_ROWS:] * (-code(1, 4)).float()
+    return first.reshape(blocks, supers * SUPER_GROUPS, BLOCK_ROWS), \
+        second.reshape(blocks, supers * SUPER_GROUPS, BLOCK_ROWS)
+
+
+def dequantize_packed(packed: torch.Tensor, out_features: int, kind: int, dtype: torch.dtype) -> torch.Tensor:
+    """The float [out_features, in] weight of a weight held in records of ``kind``."""
+    return dequantize_records(packed, kind, dtype=dtype)[:out_features]

@@ -1,24 +1,28 @@
 // Weight-only quantized linears on CPU: y = x @ dequant(W).T with W stored as 4-, 5-, 6- or 8-bit
-// integers in groups of 32 along the input dimension, each group with a float16 scale and (4- and
-// 5-bit) a float16 minimum: w = q * scale + min. GGUF's blocks map onto these records exactly up
-// to the float16 rounding of a K-quant's scale products (gguf_repack.cpp writes them):
-//   4 bits: Q4_0 (min = -8 * scale), Q4_1, Q4_K (scale = d * sc, min = -dmin * m per 32);
-//   5 bits: Q5_0 (min = -16 * scale), Q5_1, Q5_K;
-//   6 bits: Q6_K: q - 32 with a scale per 16 (two per group), no min;
-//   8 bits: Q8_0 (signed q, no min).
+// integers in groups of 32 along the input dimension, each group of each row with a scale and
+// (4 and 5 bits) a minimum: w = q * scale + min. The records (quant_records.h's kinds) hold GGUF's
+// blocks exactly and in as many bytes (gguf_repack.cpp writes them):
+//   group records, a float16 scale (and minimum) per group beside its values: kind 4 (Q4_1, and
+//     int4 from float weights), 5 (Q5_1), 8 (Q8_0: signed q, no min), and 204 / 205 (Q4_0 / Q5_0,
+//     whose minimum, the scale times -8 / -16, is not stored);
+//   super-block records, eight groups (256 inputs) with their integer codes and the rows' float16
+//     factors: 104 / 105 (Q4_K / Q5_K: scale = d * sc, min = -dmin * m, 6-bit codes per group)
+//     and 106 (Q6_K: q - 32, scale = d * sc per 16, int8 codes); the products, formed in float32,
+//     are exact.
 //
-// Layout: output rows in blocks of 16 (the last one padded with zero weights), and for each block
-// and group one contiguous record, so a step streams W front to back in a single sequence:
-//   4-bit, 320 bytes: 8 chunks of 32 bytes, then the 16 rows' scales, then their minimums. Chunk
-//     c's byte 2r + j is GGUF byte 2c + j of row r's group: its low nibble is element 2c + j, its
-//     high nibble element 2c + j + 16.
-//   8-bit, 544 bytes: 16 chunks of 32 bytes, then the scales. Chunk p's byte 2r + j is element
-//     2p + j of row r.
-//   5-bit, 384 bytes, and 6-bit, 448 bytes: the 4-bit record's 8 nibble chunks, then the high bits
-//     (64 bytes for 5 bits, 128 for 6), then the scales and (5-bit) the minimums or (6-bit) the
-//     scales of elements 16..31. The high bits of nibble chunk c, byte position L, lie in byte
-//     (c % H) * 32 + L of the high part (H = 2 for 5 bits, 4 for 6) from bit (c / H) * 2e (e extra
-//     bits per value): first the low nibble's element's e bits, then the high nibble's.
+// Layout: output rows in blocks of 16 (the last one padded with zero weights), and per block its
+// groups in order, so a step streams W front to back in a single sequence. A group's values for
+// the 16 rows:
+//   4 bits, 256 bytes: 8 chunks of 32 bytes. Chunk c's byte 2r + j is GGUF byte 2c + j of row r's
+//     group: its low nibble is element 2c + j, its high nibble element 2c + j + 16.
+//   8 bits, 512 bytes: 16 chunks of 32 bytes. Chunk p's byte 2r + j is element 2p + j of row r.
+//   5 bits, 320 bytes, and 6 bits, 384: the 4-bit chunks, then the high bits (64 bytes for 5 bits,
+//     128 for 6). The high bits of nibble chunk c, byte position L, lie in byte (c % H) * 32 + L of
+//     the high part (H = 2 for 5 bits, 4 for 6) from bit (c / H) * 2e (e extra bits per value):
+//     first the low nibble's element's e bits, then the high nibble's.
+// A group record is the values, then the 16 rows' scales, then (kinds 4, 5) their minimums (6
+// bits: no group records). A super-block record is the eight groups' values, then each group's
+// codes, then the rows' factors (quant_records.h).
 // Widened to 16-bit lanes, a chunk (4-bit: its low or its high nibbles) holds one pair of
 // consecutive elements for each of the 16 rows, which is the operand shape of vpdpwssd (16 sums
 // of two int16 products) against one pair of activations broadcast to every lane. Each product
@@ -45,6 +49,7 @@
 #include "quant_records.h"
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -127,12 +132,12 @@ inline void prefetch_record(const uint8_t* record) {
 // split does not change a result. 6 bits: always two, one per half of the group (each half has
 // its scale), except widened (kWide: ``packed`` holds blocks [begin, end) as ``widen_avx512``
 // rewrote them), where the first half's sums are folded into the floats before the second's begin.
-template <int kBits, int kTokens, bool kWide = false>
+template <int64_t kKind, int kTokens, bool kWide = false>
 void blocks_avx512(const Activations& a, const uint8_t* __restrict packed, int64_t n, int64_t begin, int64_t end,
                    float* __restrict out) {
+  constexpr int kBits = value_bits(kKind);
   constexpr int kSplit = (kBits == 6 && !kWide) || kTokens <= 4 ? 2 : 1;
-  constexpr int64_t stride = kWide ? wide_record_bytes(kBits) : record_bytes(kBits);
-  constexpr int64_t qbytes = kWide ? kWideQuantBytes : quant_bytes(kBits);
+  constexpr int64_t stride = kWide ? kWideRecordBytes : record_bytes(kKind);
   const int64_t groups = a.groups;
   const int32_t* __restrict x32 = reinterpret_cast<const int32_t*>(a.xq);  // element pairs
   const int64_t pairs_per_token = a.k / 2;
@@ -141,8 +146,16 @@ void blocks_avx512(const Activations& a, const uint8_t* __restrict packed, int64
     __m512 facc[kTokens];
     for (int t = 0; t < kTokens; ++t) facc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* __restrict rec = block + g * stride;
-      prefetch_record<stride>(rec + kRecordsAhead * stride);
+      const uint8_t* __restrict rec = kWide ? block + g * stride : group_values<kKind>(block, g);
+      // a group's share of the stream (super-block records: the average), read front to back
+      prefetch_record<stride>(block + (g + kRecordsAhead) * stride);
+      Factors512 factors;
+      if constexpr (kWide) {
+        const float* f = reinterpret_cast<const float*>(rec + kWideQuantBytes);
+        factors = {_mm512_loadu_ps(f), _mm512_loadu_ps(f + kBlockRows)};
+      } else {
+        factors = group_factors_avx512<kKind>(block, g);
+      }
       __m512i iacc[kTokens][kSplit];
       for (int t = 0; t < kTokens; ++t)
         for (int s = 0; s < kSplit; ++s) iacc[t][s] = _mm512_setzero_si512();
@@ -155,8 +168,7 @@ void blocks_avx512(const Activations& a, const uint8_t* __restrict packed, int64
       // the integer sums in accumulators [first, first + count) times part's scales (6 bits: the
       // group's half ``part``; otherwise the group's)
       auto fold = [&](int part, int first, int count) {
-        const __m512 d =
-            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + qbytes + part * kScaleBytes)));
+        const __m512 d = part == 0 ? factors.first : factors.second;
         for (int t = 0; t < kTokens; ++t) {
           __m512i sums = iacc[t][first];
           if (count == 2) sums = _mm512_add_epi32(sums, iacc[t][first + 1]);
@@ -193,8 +205,8 @@ void blocks_avx512(const Activations& a, const uint8_t* __restrict packed, int64
         fold(0, 0, kSplit);
       }
       if constexpr (has_min(kBits)) {
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + qbytes + kScaleBytes)));
-        for (int t = 0; t < kTokens; ++t) facc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.xs[t * groups + g]), facc[t]);
+        for (int t = 0; t < kTokens; ++t)
+          facc[t] = _mm512_fmadd_ps(factors.second, _mm512_set1_ps(a.xs[t * groups + g]), facc[t]);
       }
     }
     const int64_t r0 = b * kBlockRows, rows = std::min(kBlockRows, n - r0);
@@ -205,37 +217,42 @@ void blocks_avx512(const Activations& a, const uint8_t* __restrict packed, int64
 
 // tokens per pass over a block: two accumulators each fit the 32 registers; 6 bits, three each
 constexpr int64_t kPass512 = 12, kPass512SixBits = 8;
-template <int kBits>
+template <int64_t kKind>
 constexpr Blocks kBlocks512[] = {nullptr,
-                                 blocks_avx512<kBits, 1>, blocks_avx512<kBits, 2>, blocks_avx512<kBits, 3>,
-                                 blocks_avx512<kBits, 4>, blocks_avx512<kBits, 5>, blocks_avx512<kBits, 6>,
-                                 blocks_avx512<kBits, 7>, blocks_avx512<kBits, 8>, blocks_avx512<kBits, 9>,
-                                 blocks_avx512<kBits, 10>, blocks_avx512<kBits, 11>, blocks_avx512<kBits, 12>};
-template <int kBits>
+                                 blocks_avx512<kKind, 1>, blocks_avx512<kKind, 2>, blocks_avx512<kKind, 3>,
+                                 blocks_avx512<kKind, 4>, blocks_avx512<kKind, 5>, blocks_avx512<kKind, 6>,
+                                 blocks_avx512<kKind, 7>, blocks_avx512<kKind, 8>, blocks_avx512<kKind, 9>,
+                                 blocks_avx512<kKind, 10>, blocks_avx512<kKind, 11>, blocks_avx512<kKind, 12>};
+// widened records are the same whatever their kind: the 6-bit ones' table serves every kind
 constexpr Blocks kWideBlocks512[] = {
-    nullptr, blocks_avx512<kBits, 1, true>, blocks_avx512<kBits, 2, true>, blocks_avx512<kBits, 3, true>,
-    blocks_avx512<kBits, 4, true>, blocks_avx512<kBits, 5, true>, blocks_avx512<kBits, 6, true>,
-    blocks_avx512<kBits, 7, true>, blocks_avx512<kBits, 8, true>, blocks_avx512<kBits, 9, true>,
-    blocks_avx512<kBits, 10, true>, blocks_avx512<kBits, 11, true>, blocks_avx512<kBits, 12, true>};
+    nullptr, blocks_avx512<6, 1, true>, blocks_avx512<6, 2, true>, blocks_avx512<6, 3, true>,
+    blocks_avx512<6, 4, true>, blocks_avx512<6, 5, true>, blocks_avx512<6, 6, true>,
+    blocks_avx512<6, 7, true>, blocks_avx512<6, 8, true>, blocks_avx512<6, 9, true>,
+    blocks_avx512<6, 10, true>, blocks_avx512<6, 11, true>, blocks_avx512<6, 12, true>};
 
-// Blocks [begin, end) of 5- or 6-bit records with their values as int8 in the 8-bit records'
-// layout (chunk p: element pair p of the 16 rows; 6 bits: q - 32), the float16 part after them as
-// in the record: the high bits joined once per call instead of once per pass, and for 6 bits a
-// pass of 12 tokens instead of 8 (one integer sum per token, each half folded in turn).
-template <int kBits>
+// Blocks [begin, end) of 6-bit records with their values as int8 in the 8-bit records' layout
+// (chunk p: element pair p of the 16 rows; q - 32), the group's float32 factors after them: the
+// high bits joined once per call instead of once per pass, and a pass of 12 tokens instead of 8
+// (one integer sum per token, each half folded in turn).
+template <int64_t kKind>
 void widen_avx512(const uint8_t* __restrict packed, int64_t groups, int64_t begin, int64_t end,
                   uint8_t* __restrict wide) {
-  constexpr int64_t stride = record_bytes(kBits), qbytes = quant_bytes(kBits), tail = stride - qbytes;
+  constexpr int kBits = value_bits(kKind);
   for (int64_t i = 0; i < (end - begin) * groups; ++i) {
-    const uint8_t* __restrict rec = packed + (begin * groups + i) * stride;
-    uint8_t* __restrict to = wide + i * wide_record_bytes(kBits);
+    const uint8_t* __restrict block = packed + (begin + i / groups) * groups * record_bytes(kKind);
+    const int64_t g = i % groups;
+    const uint8_t* __restrict rec = group_values<kKind>(block, g);
+    uint8_t* __restrict to = wide + i * kWideRecordBytes;
     for (int c = 0; c < 8; ++c) {
       __m512i lo, hi;
       nibble_chunk_avx512<kBits>(rec, c, lo, hi);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 32 * c), _mm512_cvtepi16_epi8(lo));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 32 * (c + 8)), _mm512_cvtepi16_epi8(hi));
     }
-    std::memcpy(to + kWideQuantBytes, rec + qbytes, tail);
+    const Factors512 f = group_factors_avx512<kKind>(block, g);
+    float* factors = reinterpret_cast<float*>(to + kWideQuantBytes);
+    _mm512_storeu_ps(factors, f.first);
+    _mm512_storeu_ps(factors + kBlockRows, f.second);
   }
 }
 
@@ -247,11 +264,11 @@ void widen_avx512(const uint8_t* __restrict packed, int64_t groups, int64_t begi
 // products summed in pairs) then an add in place of vpdpwssd. 6 bits: the group's two halves have
 // scales of their own, so each keeps integer sums of its own. kWide: ``packed`` holds blocks
 // [begin, end) as ``widen_avx2`` rewrote them.
-template <int kBits, int kTokens, bool kWide = false>
+template <int64_t kKind, int kTokens, bool kWide = false>
 void blocks_avx2(const Activations& a, const uint8_t* __restrict packed, int64_t n, int64_t begin, int64_t end,
                  float* __restrict out) {
-  constexpr int64_t stride = kWide ? wide_record_bytes(kBits) : record_bytes(kBits);
-  constexpr int64_t qbytes = kWide ? kWideQuantBytes : quant_bytes(kBits);
+  constexpr int kBits = value_bits(kKind);
+  constexpr int64_t stride = kWide ? kWideRecordBytes : record_bytes(kKind);
   constexpr int kSubs = kBits == 6 ? 2 : 1;
   const int64_t groups = a.groups;
   const int32_t* __restrict x32 = reinterpret_cast<const int32_t*>(a.xq);
@@ -261,7 +278,15 @@ void blocks_avx2(const Activations& a, const uint8_t* __restrict packed, int64_t
     __m256 facc[kTokens][2];
     for (int t = 0; t < kTokens; ++t) facc[t][0] = facc[t][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* __restrict rec = block + g * stride;
+      const uint8_t* __restrict rec = kWide ? block + g * stride : group_values<kKind>(block, g);
+      Factors256 factors;
+      if constexpr (kWide) {
+        const float* f = reinterpret_cast<const float*>(rec + kWideQuantBytes);
+        for (int h = 0; h < 2; ++h)
+          factors.first[h] = _mm256_loadu_ps(f + 8 * h), factors.second[h] = _mm256_loadu_ps(f + kBlockRows + 8 * h);
+      } else {
+        factors = group_factors_avx2<kKind>(block, g);
+      }
       // integer sums held at once: one set per half for 6 bits, except widened, where the first
       // half's are folded into the floats before the second's begin (fewer registers, same sums)
       constexpr int kHeld = kWide ? 1 : kSubs;
@@ -283,8 +308,7 @@ void blocks_avx2(const Activations& a, const uint8_t* __restrict packed, int64_t
                    _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * p + 16))), p, 0);
       };
       auto fold = [&](int s, int held) {  // sums times the scales of part s (6 bits: half s)
-        const __m128i* scales = reinterpret_cast<const __m128i*>(rec + qbytes + s * kScaleBytes);
-        const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128(scales)), _mm256_cvtph_ps(_mm_loadu_si128(scales + 1))};
+        const __m256* d = s == 0 ? factors.first : factors.second;
         for (int t = 0; t < kTokens; ++t) {
           const __m256 xd = _mm256_set1_ps(a.xd[t * groups + g]);
           for (int h = 0; h < 2; ++h)
@@ -313,11 +337,9 @@ void blocks_avx2(const Activations& a, const uint8_t* __restrict packed, int64_t
         for (int s = 0; s < kSubs; ++s) fold(s, s);
       }
       if constexpr (has_min(kBits)) {
-        const __m128i* mins = reinterpret_cast<const __m128i*>(rec + qbytes + kScaleBytes);
-        const __m256 m[2] = {_mm256_cvtph_ps(_mm_loadu_si128(mins)), _mm256_cvtph_ps(_mm_loadu_si128(mins + 1))};
         for (int t = 0; t < kTokens; ++t) {
           const __m256 xs = _mm256_set1_ps(a.xs[t * groups + g]);
-          for (int h = 0; h < 2; ++h) facc[t][h] = _mm256_fmadd_ps(m[h], xs, facc[t][h]);
+          for (int h = 0; h < 2; ++h) facc[t][h] = _mm256_fmadd_ps(factors.second[h], xs, facc[t][h]);
         }
       }
     }
@@ -337,21 +359,24 @@ void blocks_avx2(const Activations& a, const uint8_t* __restrict packed, int64_t
 }
 
 constexpr int64_t kPassAvx2 = 2;  // 2 tokens x (2 integer + 2 float accumulators) + 4 weights: 16 registers
-template <int kBits>
-constexpr Blocks kBlocksAvx2[] = {nullptr, blocks_avx2<kBits, 1>, blocks_avx2<kBits, 2>};
+template <int64_t kKind>
+constexpr Blocks kBlocksAvx2[] = {nullptr, blocks_avx2<kKind, 1>, blocks_avx2<kKind, 2>};
+// widened records depend on the values' width only (5 bits: one scale and a minimum; 6: two scales)
 template <int kBits>
 constexpr Blocks kWideBlocksAvx2[] = {nullptr, blocks_avx2<kBits, 1, true>, blocks_avx2<kBits, 2, true>};
 
 // Blocks [begin, end) of 5- or 6-bit records rewritten for passes of two tokens: joining a chunk's
 // high bits costs more than its products, so with more tokens than a pass the values are joined
 // once into the 8-bit records' layout (chunk p: element pair p of the 16 rows, as int8; 6 bits:
-// q - 32) and each pass reads them with one load; the float16 part follows, as in the record.
-template <int kBits>
+// q - 32) and each pass reads them with one load; the group's float32 factors follow.
+template <int64_t kKind>
 void widen_avx2(const uint8_t* __restrict packed, int64_t groups, int64_t begin, int64_t end, uint8_t* __restrict wide) {
-  constexpr int64_t stride = record_bytes(kBits), qbytes = quant_bytes(kBits), tail = stride - qbytes;
+  constexpr int kBits = value_bits(kKind);
   for (int64_t i = 0; i < (end - begin) * groups; ++i) {
-    const uint8_t* __restrict rec = packed + (begin * groups + i) * stride;
-    uint8_t* __restrict to = wide + i * wide_record_bytes(kBits);
+    const uint8_t* __restrict block = packed + (begin + i / groups) * groups * record_bytes(kKind);
+    const int64_t g = i % groups;
+    const uint8_t* __restrict rec = group_values<kKind>(block, g);
+    uint8_t* __restrict to = wide + i * kWideRecordBytes;
     for (int c = 0; c < 8; ++c) {
       __m256i lo0, lo1, hi0, hi1;
       nibble_chunk_avx2<kBits>(rec, c, lo0, lo1, hi0, hi1);
@@ -361,33 +386,39 @@ void widen_avx2(const uint8_t* __restrict packed, int64_t groups, int64_t begin,
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 32 * (c + 8)),
                           _mm256_permute4x64_epi64(_mm256_packs_epi16(hi0, hi1), 0xD8));
     }
-    std::memcpy(to + kWideQuantBytes, rec + qbytes, tail);
+    const Factors256 f = group_factors_avx2<kKind>(block, g);
+    float* factors = reinterpret_cast<float*>(to + kWideQuantBytes);
+    for (int h = 0; h < 2; ++h) {
+      _mm256_storeu_ps(factors + 8 * h, f.first[h]);
+      _mm256_storeu_ps(factors + kBlockRows + 8 * h, f.second[h]);
+    }
   }
 }
 
 #else
 
 // Plain loops over the same layout and the same per-group arithmetic.
-template <int kBits, int kTokens>
+template <int64_t kKind, int kTokens>
 void blocks_plain(const Activations& a, const uint8_t* __restrict packed, int64_t n, int64_t begin, int64_t end,
                   float* __restrict out) {
-  constexpr int64_t stride = record_bytes(kBits), qbytes = quant_bytes(kBits);
+  constexpr int kBits = value_bits(kKind);
   const int64_t groups = a.groups;
   for (int64_t b = begin; b < end; ++b) {
     float facc[kTokens][kBlockRows] = {};
+    const uint8_t* block = packed + b * groups * record_bytes(kKind);
     for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* rec = packed + (b * groups + g) * stride;
-      const at::Half* d = reinterpret_cast<const at::Half*>(rec + qbytes);
+      const uint8_t* rec = group_values<kKind>(block, g);
+      float d[kBlockRows], second[kBlockRows];
+      group_factors<kKind>(block, g, d, second);
       for (int t = 0; t < kTokens; ++t) {
         const int16_t* x = a.xq + t * a.k + g * kGroup;
         for (int64_t r = 0; r < kBlockRows; ++r) {
           int32_t sums[2] = {0, 0};  // 6 bits: elements 0..15 and 16..31 apart
           for (int64_t e = 0; e < kGroup; ++e) sums[kBits == 6 && e >= 16] += record_value<kBits>(rec, r, e) * x[e];
           const float xd = a.xd[t * groups + g];
-          facc[t][r] += static_cast<float>(sums[0]) * (to_float(d[r]) * xd);
-          if constexpr (kBits == 6) facc[t][r] += static_cast<float>(sums[1]) * (to_float(d[kBlockRows + r]) * xd);
-          if constexpr (has_min(kBits))
-            facc[t][r] += to_float(reinterpret_cast<const at::Half*>(rec + qbytes + kScaleBytes)[r]) * a.xs[t * groups + g];
+          facc[t][r] += static_cast<float>(sums[0]) * (d[r] * xd);
+          if constexpr (kBits == 6) facc[t][r] += static_cast<float>(sums[1]) * (second[r] * xd);
+          if constexpr (has_min(kBits)) facc[t][r] += second[r] * a.xs[t * groups + g];
         }
       }
     }
@@ -397,8 +428,8 @@ void blocks_plain(const Activations& a, const uint8_t* __restrict packed, int64_
   }
 }
 
-template <int kBits>
-constexpr Blocks kBlocksPlain[] = {nullptr, blocks_plain<kBits, 1>};
+template <int64_t kKind>
+constexpr Blocks kBlocksPlain[] = {nullptr, blocks_plain<kKind, 1>};
 
 #endif
 
@@ -413,59 +444,60 @@ struct Kernel {
   int64_t wide_bytes = 0;
 };
 
-Kernel kernel_for(int64_t bits, int64_t tokens, int64_t groups) {
-#if defined(__AVX2__) && !defined(RADIXGEN_QUANT_AVX512)
-  if (tokens > kPassAvx2 && bits == 5) return {kWideBlocksAvx2<5>, kPassAvx2, widen_avx2<5>, groups * wide_record_bytes(5)};
-  if (tokens > kPassAvx2 && bits == 6) return {kWideBlocksAvx2<6>, kPassAvx2, widen_avx2<6>, groups * wide_record_bytes(6)};
-#elif defined(RADIXGEN_QUANT_AVX512)
-  // 5 bits gain nothing here (their high bits cost a pass about what the int8 loads do); 6 bits
-  // gain from 12 tokens a pass instead of 8, measured past two passes
-  if (tokens > 2 * kPass512SixBits && bits == 6)
-    return {kWideBlocks512<6>, kPass512, widen_avx512<6>, groups * wide_record_bytes(6)};
-#else
-  (void)tokens, (void)groups;
-#endif
-#if defined(RADIXGEN_QUANT_AVX512)
-  switch (bits) {
-    case 4: return {kBlocks512<4>, kPass512};
-    case 5: return {kBlocks512<5>, kPass512};
-    case 6: return {kBlocks512<6>, kPass512SixBits};
-    default: return {kBlocks512<8>, kPass512};
+// Every record kind as a template argument: f<kind>() for the kind given at run time.
+template <typename F>
+auto with_kind(int64_t kind, F&& f) {
+  switch (kind) {
+    case 4: return f(std::integral_constant<int64_t, 4>{});
+    case 5: return f(std::integral_constant<int64_t, 5>{});
+    case 8: return f(std::integral_constant<int64_t, 8>{});
+    case kOffset + 4: return f(std::integral_constant<int64_t, kOffset + 4>{});
+    case kOffset + 5: return f(std::integral_constant<int64_t, kOffset + 5>{});
+    case kSuper + 4: return f(std::integral_constant<int64_t, kSuper + 4>{});
+    case kSuper + 5: return f(std::integral_constant<int64_t, kSuper + 5>{});
+    default: return f(std::integral_constant<int64_t, kSuper + 6>{});
   }
-#endif
-#if defined(__AVX2__)
-  switch (bits) {
-    case 4: return {kBlocksAvx2<4>, kPassAvx2};
-    case 5: return {kBlocksAvx2<5>, kPassAvx2};
-    case 6: return {kBlocksAvx2<6>, kPassAvx2};
-    default: return {kBlocksAvx2<8>, kPassAvx2};
-  }
-#else
-  switch (bits) {
-    case 4: return {kBlocksPlain<4>, 1};
-    case 5: return {kBlocksPlain<5>, 1};
-    case 6: return {kBlocksPlain<6>, 1};
-    default: return {kBlocksPlain<8>, 1};
-  }
-#endif
 }
 
-void check(const at::Tensor& packed, int64_t n, int64_t k, int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "bits must be 4, 5, 6 or 8");
-  TORCH_CHECK(k % kGroup == 0, "the input size must be a multiple of 32, got ", k);
+Kernel kernel_for(int64_t kind, int64_t tokens, int64_t groups) {
+  return with_kind(kind, [&](auto kind_constant) -> Kernel {
+    constexpr int64_t kKind = decltype(kind_constant)::value;
+    constexpr int kBits = value_bits(kKind);
+    (void)tokens, (void)groups;
+#if defined(RADIXGEN_QUANT_AVX512)
+    // 5 bits gain nothing here (their high bits cost a pass about what the int8 loads do); 6 bits
+    // gain from 12 tokens a pass instead of 8, measured past two passes
+    if constexpr (kBits == 6)
+      if (tokens > 2 * kPass512SixBits) return {kWideBlocks512, kPass512, widen_avx512<kKind>, groups * kWideRecordBytes};
+    return {kBlocks512<kKind>, kBits == 6 ? kPass512SixBits : kPass512};
+#elif defined(__AVX2__)
+    if constexpr (kBits == 5 || kBits == 6)
+      if (tokens > kPassAvx2) return {kWideBlocksAvx2<kBits>, kPassAvx2, widen_avx2<kKind>, groups * kWideRecordBytes};
+    return {kBlocksAvx2<kKind>, kPassAvx2};
+#else
+    return {kBlocksPlain<kKind>, 1};
+#endif
+  });
+}
+
+void check(const at::Tensor& packed, int64_t n, int64_t k, int64_t kind) {
+  TORCH_CHECK(valid_kind(kind), "record kind must be 4, 5 or 8 (group records), 204 or 205 (group "
+              "records without minimums) or 104, 105 or 106 (super-block records), got ", kind);
+  const int64_t span = is_super(kind) ? kSuperGroups * kGroup : kGroup;
+  TORCH_CHECK(k % span == 0, "the input size must be a multiple of ", span, " for record kind ", kind, ", got ", k);
   TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous() && packed.scalar_type() == at::kByte,
               "packed: a contiguous uint8 CPU tensor");
-  TORCH_CHECK(packed.sizes() == at::IntArrayRef({(n + kBlockRows - 1) / kBlockRows, k / kGroup, record_bytes(bits)}),
-              "packed: [ceil(N / 16), K / 32, ", record_bytes(bits), "] for ", bits, " bits, got ", packed.sizes());
+  TORCH_CHECK(packed.sizes() == at::IntArrayRef({(n + kBlockRows - 1) / kBlockRows, k / kGroup, record_bytes(kind)}),
+              "packed: [ceil(N / 16), K / 32, ", record_bytes(kind), "] for record kind ", kind, ", got ", packed.sizes());
 }
 
 }  // namespace
 
 // x [T, K] (float32 / bfloat16 / float16) -> [T, N] in x's dtype.
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits) {
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t kind) {
   TORCH_CHECK(x.dim() == 2, "x must be [T, K]");
   const int64_t tokens = x.size(0), k = x.size(1), groups = k / kGroup;
-  check(packed, n, k, bits);
+  check(packed, n, k, kind);
   auto out = at::empty({tokens, n}, x.options().dtype(at::kFloat));
   if (tokens == 0) return out.to(x.scalar_type());
   const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -480,8 +512,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   const float* xsp = xs.data();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  const Kernel kernel = kernel_for(bits, tokens, groups);
-  const int64_t blocks = packed.size(0), block_bytes = groups * record_bytes(bits);
+  const Kernel kernel = kernel_for(kind, tokens, groups);
+  const int64_t blocks = packed.size(0), block_bytes = groups * record_bytes(kind);
   // tasks of a few tens of KB of weights; within a task, a few blocks at a time go through every
   // pass of tokens while their records are in L1/L2
   const int64_t grain = std::max<int64_t>(1, 32768 / block_bytes);

@@ -2,7 +2,10 @@
 // quant_linear.cpp, written by gguf_repack.cpp, and mirrored in Python by quant_layout.py.
 #pragma once
 
+#include <c10/util/Half.h>
+
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -14,19 +17,116 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kBlockRows = 16;
 constexpr int64_t kScaleBytes = kBlockRows * 2;
 
-// bytes of the quantized values of one record (the float16 vectors follow)
-constexpr int64_t quant_bytes(int64_t bits) { return bits == 8 ? 512 : 256 + 64 * (bits - 4); }
-constexpr int64_t record_bytes(int64_t bits) { return quant_bytes(bits) + (bits == 8 ? 1 : 2) * kScaleBytes; }
-constexpr bool has_min(int64_t bits) { return bits == 4 || bits == 5; }
-// A 5- or 6-bit record rewritten with its values as int8 in the 8-bit layout (quant_linear.cpp's
-// widen_avx2 and widen_avx512), its float16 part unchanged.
+// A record kind: its values' width (4, 5 or 8 bits) for the group records, whose float16
+// scales (and minimums) follow each group's values; kOffset + width for group records of Q4_0 /
+// Q5_0, whose minimum is the scale times -2^(width - 1) and is not stored; kSuper + width for the
+// K-quants' records, which keep their blocks' 256-weight super-blocks (quant_linear.cpp's header
+// gives the layouts).
+constexpr int64_t kSuper = 100, kOffset = 200;
+constexpr bool is_super(int64_t kind) { return kind / 100 == kSuper / 100; }
+constexpr bool is_offset(int64_t kind) { return kind / 100 == kOffset / 100; }
+constexpr int value_bits(int64_t kind) { return static_cast<int>(kind % 100); }
+constexpr bool valid_kind(int64_t kind) {
+  return kind == 4 || kind == 5 || kind == 8 || kind == kOffset + 4 || kind == kOffset + 5 ||
+         kind == kSuper + 4 || kind == kSuper + 5 || kind == kSuper + 6;
+}
+
+// bytes of the quantized values of one group of 16 rows
+constexpr int64_t quant_bytes(int64_t kind) {
+  const int bits = value_bits(kind);
+  return bits == 8 ? 512 : 256 + 64 * (bits - 4);
+}
+constexpr bool has_min(int64_t kind) { return value_bits(kind) == 4 || value_bits(kind) == 5; }
+
+// Super-block records: 8 groups' values, then each group's scale part (4/5 bits: 24 bytes of the
+// 16 rows' 6-bit scale and min codes; 6 bits: 32 bytes, the int8 scales of elements 0..15 then
+// 16..31), then the 16 rows' float16 factors (4/5 bits: d then dmin; 6 bits: d).
+constexpr int64_t kSuperGroups = 8;
+constexpr int64_t super_scale_bytes(int64_t kind) { return value_bits(kind) == 6 ? 32 : 24; }
+constexpr int64_t super_head_bytes(int64_t kind) { return value_bits(kind) == 6 ? kScaleBytes : 2 * kScaleBytes; }
+constexpr int64_t super_bytes(int64_t kind) {
+  return kSuperGroups * (quant_bytes(kind) + super_scale_bytes(kind)) + super_head_bytes(kind);
+}
+
+// bytes per group of 16 rows (a super-block record's share: its bytes / 8), the records' last dimension
+constexpr int64_t record_bytes(int64_t kind) {
+  if (is_super(kind)) return super_bytes(kind) / kSuperGroups;
+  return quant_bytes(kind) + (value_bits(kind) == 8 || is_offset(kind) ? 1 : 2) * kScaleBytes;
+}
+
+// Group g's values within a block of records (the group's whole record for the group records).
+template <int64_t kKind>
+inline const uint8_t* group_values(const uint8_t* block, int64_t g) {
+  if constexpr (is_super(kKind)) return block + (g / kSuperGroups) * super_bytes(kKind) + (g % kSuperGroups) * quant_bytes(kKind);
+  else return block + g * record_bytes(kKind);
+}
+
+// The 6-bit codes of a 4/5-bit super-block record's group scale part: bytes 0..7 the scale codes'
+// low nibbles (byte i: row i, row i + 8 in the high nibble), 8..15 the minimum codes' likewise,
+// 16..23 the bits above them (byte i: rows i and i + 8 of the scale, then of the minimum, 2 bits each).
+inline int super_code(const uint8_t* part, int64_t r, bool minimum) {
+  const int i = static_cast<int>(r % 8), upper = static_cast<int>(r / 8);
+  const int low = (part[(minimum ? 8 : 0) + i] >> (4 * upper)) & 0xF;
+  const int high = (part[16 + i] >> (2 * upper + (minimum ? 4 : 0))) & 3;
+  return low | high << 4;
+}
+
+// The float32 factors of group g of a block, per row: ``first`` the scale (6 bits: of elements
+// 0..15), ``second`` the minimum (4/5 bits), the scale of elements 16..31 (6 bits) or unused (8 bits).
+// Super-block records: products of the float16 factor and the integer code, exact in float32.
+template <int64_t kKind>
+constexpr float offset_factor() { return -static_cast<float>(1 << (value_bits(kKind) - 1)); }
+
+template <int64_t kKind>
+inline void group_factors(const uint8_t* block, int64_t g, float* first, float* second) {
+  auto half = [](const uint8_t* p) {
+    uint16_t bits;
+    std::memcpy(&bits, p, 2);
+    return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  };
+  if constexpr (!is_super(kKind)) {
+    const uint8_t* f = block + g * record_bytes(kKind) + quant_bytes(kKind);
+    for (int64_t r = 0; r < kBlockRows; ++r) {
+      first[r] = half(f + 2 * r);
+      if constexpr (is_offset(kKind)) second[r] = offset_factor<kKind>() * first[r];
+      else second[r] = value_bits(kKind) == 8 ? 0.f : half(f + kScaleBytes + 2 * r);
+    }
+  } else {
+    const uint8_t* super = block + (g / kSuperGroups) * super_bytes(kKind);
+    const uint8_t* part = super + kSuperGroups * quant_bytes(kKind) + (g % kSuperGroups) * super_scale_bytes(kKind);
+    const uint8_t* head = super + kSuperGroups * (quant_bytes(kKind) + super_scale_bytes(kKind));
+    for (int64_t r = 0; r < kBlockRows; ++r) {
+      if constexpr (value_bits(kKind) == 6) {
+        const float d = half(head + 2 * r);
+        first[r] = d * static_cast<int8_t>(part[r]), second[r] = d * static_cast<int8_t>(part[16 + r]);
+      } else {
+        first[r] = half(head + 2 * r) * super_code(part, r, false);
+        second[r] = half(head + kScaleBytes + 2 * r) * -super_code(part, r, true);
+      }
+    }
+  }
+}
+
+template <int64_t kKind>
+inline const uint8_t* super_part(const uint8_t* block, int64_t g) {
+  return block + (g / kSuperGroups) * super_bytes(kKind) + kSuperGroups * quant_bytes(kKind) +
+         (g % kSuperGroups) * super_scale_bytes(kKind);
+}
+template <int64_t kKind>
+inline const uint8_t* super_head(const uint8_t* block, int64_t g) {
+  return block + (g / kSuperGroups) * super_bytes(kKind) + kSuperGroups * (quant_bytes(kKind) + super_scale_bytes(kKind));
+}
+
+// A widened record (quant_linear.cpp's widen_avx2 / widen_avx512): its group's values as int8 in
+// the 8-bit layout, then the group factors' two float32 vectors.
 constexpr int64_t kWideQuantBytes = 512;
-constexpr int64_t wide_record_bytes(int64_t bits) { return kWideQuantBytes + record_bytes(bits) - quant_bytes(bits); }
+constexpr int64_t kWideRecordBytes = kWideQuantBytes + 2 * kBlockRows * 4;
 // extra bits above the nibble, and how many nibble chunks share a byte position of the high part
 constexpr int extra_bits(int64_t bits) { return bits == 5 ? 1 : bits == 6 ? 2 : 0; }
 constexpr int high_rows(int64_t bits) { return bits == 5 ? 2 : 4; }
 
 // A record's value of element e (0..31) of row r, as the kernels multiply it (6 bits: q - 32).
+// (rec: the group's values, ``group_values``)
 template <int kBits>
 inline int32_t record_value(const uint8_t* rec, int64_t r, int64_t e) {
   const int64_t pair = e / 2, j = e % 2;
@@ -98,6 +198,95 @@ inline void nibble_chunk_avx2(const uint8_t* rec, int c, __m256i& lo0, __m256i& 
       hi0 = _mm256_sub_epi16(hi0, offset), hi1 = _mm256_sub_epi16(hi1, offset);
     }
   }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+struct Factors512 {
+  __m512 first, second;  // as group_factors gives them, one lane per row
+};
+
+template <int64_t kKind>
+inline Factors512 group_factors_avx512(const uint8_t* block, int64_t g) {
+  auto halves = [](const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); };
+  if constexpr (!is_super(kKind)) {
+    const uint8_t* f = block + g * record_bytes(kKind) + quant_bytes(kKind);
+    const __m512 scale = halves(f);
+    if constexpr (is_offset(kKind)) return {scale, _mm512_mul_ps(scale, _mm512_set1_ps(offset_factor<kKind>()))};
+    return {scale, value_bits(kKind) == 8 ? _mm512_setzero_ps() : halves(f + kScaleBytes)};
+  } else {
+    const uint8_t* part = super_part<kKind>(block, g);
+    const uint8_t* head = super_head<kKind>(block, g);
+    const __m512 d = halves(head);
+    if constexpr (value_bits(kKind) == 6) {
+      auto codes = [](const uint8_t* p) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      };
+      return {_mm512_mul_ps(d, codes(part)), _mm512_mul_ps(d, codes(part + 16))};
+    } else {
+      // lanes 0-7 and 8-15 both read bytes 0-7 of a field; rows 8-15 take their upper bits
+      auto bytes = [](const uint8_t* p) {
+        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+        return _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(v, v));
+      };
+      const __m512i upper_rows = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+      const __m512i nibble_shift = _mm512_slli_epi32(upper_rows, 2), high_shift = _mm512_slli_epi32(upper_rows, 1);
+      const __m512i high = bytes(part + 16), low_mask = _mm512_set1_epi32(0xF), two = _mm512_set1_epi32(3);
+      auto code = [&](int field, int high_offset) {
+        const __m512i low = _mm512_and_si512(_mm512_srlv_epi32(bytes(part + 8 * field), nibble_shift), low_mask);
+        const __m512i top = _mm512_and_si512(
+            _mm512_srlv_epi32(high, _mm512_add_epi32(high_shift, _mm512_set1_epi32(high_offset))), two);
+        return _mm512_or_si512(low, _mm512_slli_epi32(top, 4));
+      };
+      const __m512 dmin = halves(head + kScaleBytes);
+      return {_mm512_mul_ps(d, _mm512_cvtepi32_ps(code(0, 0))),
+              _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_setzero_si512(), code(1, 4))))};
+    }
+  }
+}
+#endif
+
+#if defined(__AVX2__)
+struct Factors256 {
+  __m256 first[2], second[2];  // rows 0-7, 8-15
+};
+
+template <int64_t kKind>
+inline Factors256 group_factors_avx2(const uint8_t* block, int64_t g) {
+  auto halves = [](const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
+  Factors256 f;
+  if constexpr (!is_super(kKind)) {
+    const uint8_t* p = block + g * record_bytes(kKind) + quant_bytes(kKind);
+    for (int h = 0; h < 2; ++h) {
+      f.first[h] = halves(p + 16 * h);
+      if constexpr (is_offset(kKind)) f.second[h] = _mm256_mul_ps(f.first[h], _mm256_set1_ps(offset_factor<kKind>()));
+      else f.second[h] = value_bits(kKind) == 8 ? _mm256_setzero_ps() : halves(p + kScaleBytes + 16 * h);
+    }
+  } else {
+    const uint8_t* part = super_part<kKind>(block, g);
+    const uint8_t* head = super_head<kKind>(block, g);
+    auto bytes = [](const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); };
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = halves(head + 16 * h);
+      if constexpr (value_bits(kKind) == 6) {
+        auto codes = [](const uint8_t* p) {
+          return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+        };
+        f.first[h] = _mm256_mul_ps(d, codes(part + 8 * h)), f.second[h] = _mm256_mul_ps(d, codes(part + 16 + 8 * h));
+      } else {
+        const __m256i high = bytes(part + 16), low_mask = _mm256_set1_epi32(0xF), two = _mm256_set1_epi32(3);
+        auto code = [&](int field, int high_offset) {
+          const __m256i low = _mm256_and_si256(_mm256_srl_epi32(bytes(part + 8 * field), _mm_cvtsi32_si128(4 * h)), low_mask);
+          const __m256i top = _mm256_and_si256(_mm256_srl_epi32(high, _mm_cvtsi32_si128(2 * h + high_offset)), two);
+          return _mm256_or_si256(low, _mm256_slli_epi32(top, 4));
+        };
+        f.first[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(code(0, 0)));
+        f.second[h] = _mm256_mul_ps(halves(head + kScaleBytes + 16 * h),
+                                    _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_setzero_si256(), code(1, 4))));
+      }
+    }
+  }
+  return f;
 }
 #endif
 

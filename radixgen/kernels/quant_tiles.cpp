@@ -37,16 +37,14 @@ inline void store_pair(__m512i lanes, __m512 scale, __m512 min, bool with_min, T
   }
 }
 
-template <int kBits, typename T>
+template <int64_t kKind, typename T>
 void decode_block(const uint8_t* __restrict block, int64_t groups, T* __restrict tile, int64_t ld) {
-  constexpr int64_t stride = record_bytes(kBits), qbytes = quant_bytes(kBits);
+  constexpr int kBits = value_bits(kKind);
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* rec = block + g * stride;
+    const uint8_t* rec = group_values<kKind>(block, g);
     T* rows = tile + g * kGroup * ld;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + qbytes)));
-    // 4/5 bits: the minimums; 6 bits: the scales of elements 16..31
-    const __m512 second = kBits == 8 ? _mm512_setzero_ps()
-        : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + qbytes + kScaleBytes)));
+    // second: 4/5 bits, the minimums; 6 bits, the scales of elements 16..31
+    const auto [d, second] = group_factors_avx512<kKind>(block, g);
     if constexpr (kBits == 8) {
       for (int p = 0; p < 16; ++p) {
         const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * p)));
@@ -88,19 +86,16 @@ inline void store_pairs8(__m256i lanes, __m256 scale, __m256 min, bool with_min,
   }
 }
 
-template <int kBits, typename T>
+template <int64_t kKind, typename T>
 void decode_block(const uint8_t* __restrict block, int64_t groups, T* __restrict tile, int64_t ld) {
-  constexpr int64_t stride = record_bytes(kBits), qbytes = quant_bytes(kBits);
+  constexpr int kBits = value_bits(kKind);
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* rec = block + g * stride;
+    const uint8_t* rec = group_values<kKind>(block, g);
     T* rows = tile + g * kGroup * ld;
-    auto halves = [](const uint8_t* p) {
-      const __m128i* h = reinterpret_cast<const __m128i*>(p);
-      return std::array<__m256, 2>{_mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1))};
-    };
-    const std::array<__m256, 2> d = halves(rec + qbytes);
-    // 4/5 bits: the minimums; 6 bits: the scales of elements 16..31
-    const std::array<__m256, 2> second = kBits == 8 ? d : halves(rec + qbytes + kScaleBytes);
+    // second: 4/5 bits, the minimums; 6 bits, the scales of elements 16..31
+    const Factors256 factors = group_factors_avx2<kKind>(block, g);
+    const __m256* d = factors.first;
+    const __m256* second = factors.second;
     if constexpr (kBits == 8) {
       for (int p = 0; p < 16; ++p)
         for (int h = 0; h < 2; ++h) {
@@ -129,24 +124,24 @@ void decode_block(const uint8_t* __restrict block, int64_t groups, T* __restrict
 
 #else
 
-template <int kBits, typename T>
+template <int64_t kKind, typename T>
 void decode_block(const uint8_t* __restrict block, int64_t groups, T* __restrict tile, int64_t ld) {
-  constexpr int64_t stride = record_bytes(kBits), qbytes = quant_bytes(kBits);
+  constexpr int kBits = value_bits(kKind);
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* rec = block + g * stride;
-    const at::Half* d = reinterpret_cast<const at::Half*>(rec + qbytes);
-    const at::Half* second = reinterpret_cast<const at::Half*>(rec + qbytes + kScaleBytes);
+    const uint8_t* rec = group_values<kKind>(block, g);
+    float d[kBlockRows], second[kBlockRows];
+    group_factors<kKind>(block, g, d, second);
     for (int64_t e = 0; e < kGroup; ++e) {
       T* row = tile + (g * kGroup + e) * ld;
       for (int64_t r = 0; r < kBlockRows; ++r) {
         const float q = static_cast<float>(record_value<kBits>(rec, r, e));
         float w;
         if constexpr (kBits == 6) {
-          w = q * to_float(e < 16 ? d[r] : second[r]);
+          w = q * (e < 16 ? d[r] : second[r]);
         } else if constexpr (has_min(kBits)) {
-          w = q * to_float(d[r]) + to_float(second[r]);
+          w = q * d[r] + second[r];
         } else {
-          w = q * to_float(d[r]);
+          w = q * d[r];
         }
         row[r] = static_cast<T>(w);
       }
@@ -160,12 +155,16 @@ template <typename T>
 using BlockDecoder = void (*)(const uint8_t*, int64_t, T*, int64_t);
 
 template <typename T>
-BlockDecoder<T> decoder_for(int64_t bits) {
-  switch (bits) {
+BlockDecoder<T> decoder_for(int64_t kind) {
+  switch (kind) {
     case 4: return decode_block<4, T>;
     case 5: return decode_block<5, T>;
-    case 6: return decode_block<6, T>;
-    default: return decode_block<8, T>;
+    case 8: return decode_block<8, T>;
+    case kOffset + 4: return decode_block<kOffset + 4, T>;
+    case kOffset + 5: return decode_block<kOffset + 5, T>;
+    case kSuper + 4: return decode_block<kSuper + 4, T>;
+    case kSuper + 5: return decode_block<kSuper + 5, T>;
+    default: return decode_block<kSuper + 6, T>;
   }
 }
 
@@ -173,32 +172,32 @@ BlockDecoder<T> decoder_for(int64_t bits) {
 
 // Blocks [block_begin, block_end) of ``packed`` ([blocks, K / 32, record bytes]) into ``tile``:
 // float32 or bfloat16, [K, >= 16 * (block_end - block_begin)] with unit column stride.
-void dequantize_records(const at::Tensor& packed, int64_t bits, int64_t block_begin, int64_t block_end,
+void dequantize_records(const at::Tensor& packed, int64_t kind, int64_t block_begin, int64_t block_end,
                         at::Tensor& tile) {
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "bits must be 4, 5, 6 or 8");
+  TORCH_CHECK(valid_kind(kind), "record kind must be 4, 5, 8, 204, 205, 104, 105 or 106, got ", kind);
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(2) == record_bytes(bits),
-              "packed: contiguous uint8 [blocks, K / 32, ", record_bytes(bits), "] for ", bits, " bits");
+                  packed.size(2) == record_bytes(kind) && (!is_super(kind) || packed.size(1) % kSuperGroups == 0),
+              "packed: contiguous uint8 [blocks, K / 32, ", record_bytes(kind), "] for record kind ", kind);
   TORCH_CHECK(0 <= block_begin && block_begin <= block_end && block_end <= packed.size(0), "block range out of bounds");
   const int64_t groups = packed.size(1), k = groups * kGroup, cols = (block_end - block_begin) * kBlockRows;
   TORCH_CHECK(tile.dim() == 2 && tile.size(0) == k && tile.size(1) >= cols && tile.stride(1) == 1,
               "tile: [K, >= 16 * blocks] with unit column stride");
   TORCH_CHECK(tile.scalar_type() == at::kFloat || tile.scalar_type() == at::kBFloat16, "tile: float32 or bfloat16");
   const uint8_t* pp = packed.data_ptr<uint8_t>();
-  const int64_t block_bytes = groups * record_bytes(bits), ld = tile.stride(0);
+  const int64_t block_bytes = groups * record_bytes(kind), ld = tile.stride(0);
   auto run = [&](auto* out, auto decode) {
     at::parallel_for(block_begin, block_end, 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) decode(pp + b * block_bytes, groups, out + (b - block_begin) * kBlockRows, ld);
     });
   };
   if (tile.scalar_type() == at::kFloat) {
-    run(tile.data_ptr<float>(), decoder_for<float>(bits));
+    run(tile.data_ptr<float>(), decoder_for<float>(kind));
   } else {
-    run(reinterpret_cast<c10::BFloat16*>(tile.data_ptr<at::BFloat16>()), decoder_for<c10::BFloat16>(bits));
+    run(reinterpret_cast<c10::BFloat16*>(tile.data_ptr<at::BFloat16>()), decoder_for<c10::BFloat16>(kind));
   }
 }
 
 TORCH_LIBRARY_FRAGMENT(radixgen, m) {
-  m.def("dequantize_records(Tensor packed, int bits, int block_begin, int block_end, Tensor(a!) tile) -> ()");
+  m.def("dequantize_records(Tensor packed, int kind, int block_begin, int block_end, Tensor(a!) tile) -> ()");
 }
 TORCH_LIBRARY_IMPL(radixgen, CPU, m) { m.impl("dequantize_records", TORCH_FN(dequantize_records)); }

@@ -58,9 +58,9 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight, bias)
 
 
-def quant_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bits: int) -> torch.Tensor:
-    """x @ dequant(W).T for a 4- or 8-bit weight in the kernel's layout (``quant_layout``)."""
-    return F.linear(x, quant_layout.dequantize_packed(packed, out_features, bits, x.dtype))
+def quant_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, kind: int) -> torch.Tensor:
+    """x @ dequant(W).T for a weight in records of any kind (``quant_layout``)."""
+    return F.linear(x, quant_layout.dequantize_packed(packed, out_features, kind, x.dtype))
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

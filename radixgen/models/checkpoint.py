@@ -150,9 +150,10 @@ def load_quantized_into(model: CausalLM, state: dict[str, Any], bits: int, arena
 
     def fused_rows(names: list[str]) -> QuantizedWeight | list[QuantizedWeight | PackedWeight]:
         parts = [q(n) for n in names]
-        if all(isinstance(p, QuantizedWeight) for p in parts) and len({p.bits for p in parts}) == 1:
-            return cat_rows([p for p in parts if isinstance(p, QuantizedWeight)])
-        return parts  # one record array per run of one width (QuantizedLinear)
+        weights = [p for p in parts if isinstance(p, QuantizedWeight)]
+        if len(weights) == len(parts) and len({p.bits for p in weights}) == 1:
+            return cat_rows(weights)
+        return parts  # one record array per run of one kind (QuantizedLinear)
 
     def floats(name: str) -> torch.Tensor:  # norms and biases: a GGUF's vectors are read as tensors
         value = state[name]

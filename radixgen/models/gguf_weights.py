@@ -29,9 +29,10 @@ from radixgen.models.quantized import PackedWeight, QuantizedWeight, quantize
 
 logger = logging.getLogger(__name__)
 
-RECORD_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
-"""The quantized types run as they are, and the record width each is written into."""
-BLOCK_TYPES = tuple(RECORD_BITS)
+RECORD_KINDS = {"Q4_0": quant_layout.OFFSET4, "Q4_1": 4, "Q5_0": quant_layout.OFFSET5, "Q5_1": 5, "Q8_0": 8,
+                "Q4_K": quant_layout.K4, "Q5_K": quant_layout.K5, "Q6_K": quant_layout.K6}
+"""The quantized types run as they are, and the record kind each is written into."""
+BLOCK_TYPES = tuple(RECORD_KINDS)
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 # In a folder of its own: beside model.safetensors, tools that load every *.safetensors of a
@@ -64,11 +65,11 @@ class GGUFTensor:
         dequantizes)."""
         from radixgen.kernels import cpu_kernels
 
-        if self.type_name not in RECORD_BITS or len(self.shape) != 2 or cpu_kernels() is None:
+        if self.type_name not in RECORD_KINDS or len(self.shape) != 2 or cpu_kernels() is None:
             return None
         rows, cols = self.shape
         return -(-rows // quant_layout.BLOCK_ROWS), cols // quant_layout.GROUP, \
-            quant_layout.record_bytes(RECORD_BITS[self.type_name])
+            quant_layout.record_bytes(RECORD_KINDS[self.type_name])
 
     def blocks(self, arena: WeightArena | None = None) -> PackedWeight | None:
         """The kernel's records of a quantized 2-D tensor of a supported type, written into
@@ -89,7 +90,7 @@ class GGUFTensor:
             kernels.gguf_repack_into(raw, self.info.ggml_type, self.shape[1], records)
         del raw
         self.file.release(self.info.name)
-        return PackedWeight(records, RECORD_BITS[self.type_name], self.shape[0])
+        return PackedWeight(records, RECORD_KINDS[self.type_name], self.shape[0])
 
     def floats(self) -> torch.Tensor:
         """The tensor in float32 (float types converted, quantized ones dequantized by the gguf

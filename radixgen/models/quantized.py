@@ -56,10 +56,11 @@ _scratch = _TileScratch()
 
 @dataclass
 class PackedWeight:
-    """Rows of a weight already in the kernel's records [ceil(out / 16), in / 32, record bytes]."""
+    """Rows of a weight already in the kernel's records [ceil(out / 16), in / 32, record bytes] of
+    one kind (``quant_layout``)."""
 
     records: torch.Tensor
-    bits: int
+    kind: int
     out_features: int
 
     @property
@@ -149,7 +150,7 @@ def deinterleave(records: torch.Tensor, bits: int, rows: torch.Tensor | None = N
 def _as_packed(part: QuantizedWeight | PackedWeight) -> PackedWeight:
     if isinstance(part, PackedWeight):
         return part
-    return PackedWeight(interleave(part), part.bits, part.shape[0])
+    return PackedWeight(interleave(part), part.bits, part.shape[0])  # group records: the kind is the width
 
 
 def _adjoined(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
@@ -165,12 +166,12 @@ def _adjoined(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
 
 
 def _joined(parts: list[PackedWeight]) -> list[PackedWeight]:
-    """Neighbours of one width as one weight where the rows before each seam fill whole blocks of 16."""
+    """Neighbours of one record kind as one weight where the rows before each seam fill whole blocks of 16."""
     out = [parts[0]]
     for part in parts[1:]:
         last = out[-1]
-        if last.bits == part.bits and last.out_features % quant_layout.BLOCK_ROWS == 0:
-            out[-1] = PackedWeight(_adjoined(last.records, part.records), part.bits,
+        if last.kind == part.kind and last.out_features % quant_layout.BLOCK_ROWS == 0:
+            out[-1] = PackedWeight(_adjoined(last.records, part.records), part.kind,
                                    last.out_features + part.out_features)
         else:
             out.append(part)
@@ -179,18 +180,18 @@ def _joined(parts: list[PackedWeight]) -> list[PackedWeight]:
 
 class QuantizedLinear(nn.Module):
     """y = x @ dequant(W).T + b, with the ``Linear`` interface the decoder calls. The weight is
-    held only in the kernel's layout (``interleave``). A fused weight whose parts have different
-    widths (a GGUF's Q4_K query beside its Q6_K value) keeps one record array per width and runs
-    them one after another into one output."""
+    held only in the kernel's records. A fused weight whose parts have records of different kinds
+    (a GGUF's Q4_K query beside its Q6_K value) keeps one record array per kind and runs them one
+    after another into one output."""
 
     def __init__(self, weight: QuantizedWeight | PackedWeight | list[QuantizedWeight | PackedWeight],
                  bias: torch.Tensor | None) -> None:
         super().__init__()
         parts = _joined([_as_packed(p) for p in (weight if isinstance(weight, list) else [weight])])
-        self.widths = tuple(p.bits for p in parts)
+        self.kinds = tuple(p.kind for p in parts)
         self.segment_rows = tuple(p.out_features for p in parts)
-        self.bits = parts[0].bits
-        """The width of the first (usually only) record array."""
+        self.kind = parts[0].kind
+        """The record kind of the first (usually only) record array."""
         self.out_features, self.in_features = sum(self.segment_rows), parts[0].in_features
         self.packed: torch.Tensor
         for i, part in enumerate(parts):
@@ -213,9 +214,9 @@ class QuantizedLinear(nn.Module):
         self.tile_min_tokens, self.tile_dtype = min_tokens, dtype
 
     def segments(self) -> list[tuple[torch.Tensor, int, int]]:
-        """(records, bits, rows) of each record array, in output order."""
-        return [(getattr(self, "packed" if i == 0 else f"packed_{i}"), bits, rows)
-                for i, (bits, rows) in enumerate(zip(self.widths, self.segment_rows, strict=True))]
+        """(records, kind, rows) of each record array, in output order."""
+        return [(getattr(self, "packed" if i == 0 else f"packed_{i}"), kind, rows)
+                for i, (kind, rows) in enumerate(zip(self.kinds, self.segment_rows, strict=True))]
 
     def add_dense(self, dtype: torch.dtype, min_tokens: int) -> int:
         """Keep a dense ``dtype`` copy (in oneDNN's layout where it packs) for steps of at least
@@ -234,23 +235,23 @@ class QuantizedLinear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float [out, in] weight."""
-        return torch.cat([quant_layout.dequantize_packed(records, rows, bits, dtype)
-                          for records, bits, rows in self.segments()])
+        return torch.cat([quant_layout.dequantize_packed(records, rows, kind, dtype)
+                          for records, kind, rows in self.segments()])
 
     @property
     def weight_q(self) -> QuantizedWeight:
         """The weight as ``QuantizedWeight`` arrays (a single 4- or 8-bit record array only)."""
-        if len(self.widths) != 1 or self.bits not in (4, 8):
-            raise ValueError(f"a weight of {self.widths}-bit records has no QuantizedWeight form; use dequantize()")
-        full = deinterleave(self.packed, self.bits)
+        if len(self.kinds) != 1 or self.kind not in (4, 8):
+            raise ValueError(f"a weight of records of kinds {self.kinds} has no QuantizedWeight form; use dequantize()")
+        full = deinterleave(self.packed, self.kind)
         return full.rows(torch.arange(self.out_features)) if full.shape[0] != self.out_features else full
 
     def dequantize_rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The float weight of the selected output rows [len(index), in] (embedding lookups):
         only those rows are decoded."""
-        if len(self.widths) != 1:
+        if len(self.kinds) != 1:
             return self.dequantize(dtype)[index]
-        return quant_layout.dequantize_records(self.packed[index // quant_layout.BLOCK_ROWS], self.bits,
+        return quant_layout.dequantize_records(self.packed[index // quant_layout.BLOCK_ROWS], self.kind,
                                                index % quant_layout.BLOCK_ROWS, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -258,27 +259,27 @@ class QuantizedLinear(nn.Module):
             return self.dense(x)
         if self.tile_min_tokens and x.shape[0] >= self.tile_min_tokens and x.device.type == "cpu":
             return self._on_tiles(x)
-        if len(self.widths) == 1:
-            y = torch.ops.radixgen.quant_linear.default(x, self.packed, self.out_features, self.bits)
+        if len(self.kinds) == 1:
+            y = torch.ops.radixgen.quant_linear.default(x, self.packed, self.out_features, self.kind)
         else:
-            y = torch.cat([torch.ops.radixgen.quant_linear.default(x, records, rows, bits)
-                           for records, bits, rows in self.segments()], dim=-1)
+            y = torch.cat([torch.ops.radixgen.quant_linear.default(x, records, rows, kind)
+                           for records, kind, rows in self.segments()], dim=-1)
         return y if self.bias is None else y + self.bias
 
     def _on_tiles(self, x: torch.Tensor) -> torch.Tensor:
         dtype, block_rows = self.tile_dtype, quant_layout.BLOCK_ROWS
         xt = x.to(dtype)
         blocks_per_tile = max(1, TILE_BYTES // (self.in_features * block_rows * dtype.itemsize))
-        runs = [(records, bits, begin, min(records.shape[0], begin + blocks_per_tile), rows)
-                for records, bits, rows in self.segments()
+        runs = [(records, kind, begin, min(records.shape[0], begin + blocks_per_tile), rows)
+                for records, kind, rows in self.segments()
                 for begin in range(0, records.shape[0], blocks_per_tile)]
         # one run: its product is the output; several: each product goes into its columns at once,
         # so at most one run's product is held beside the output
         y = None if len(runs) == 1 else torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         column = 0
-        for records, bits, begin, end, rows in runs:
+        for records, kind, begin, end, rows in runs:
             tile = _scratch.tile(self.in_features, (end - begin) * block_rows, dtype)
-            torch.ops.radixgen.dequantize_records.default(records, bits, begin, end, tile)
+            torch.ops.radixgen.dequantize_records.default(records, kind, begin, end, tile)
             valid = min(rows, end * block_rows) - begin * block_rows
             product = xt @ tile[:, :valid]
             if y is None:

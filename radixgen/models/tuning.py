@@ -401,7 +401,7 @@ def _cache_key(features: CpuFeatures, model: CausalLM, dtype: torch.dtype, threa
         # torch's and oneDNN's own instruction-set limits change what the timed code runs
         "isa_limits": [os.environ.get(name) for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")],
         "attention": [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim], "linears": linears,
-        "quantized": sorted({(m.out_features, m.in_features, *m.widths) for m in model.modules()
+        "quantized": sorted({(m.out_features, m.in_features, *m.kinds) for m in model.modules()
                              if isinstance(m, QuantizedLinear)}),
     }
     return hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:20]

@@ -15,6 +15,7 @@ import torch
 from radixgen.kernels import cpu_kernels, quant_layout
 from radixgen.kernels import reference as fused_ops_reference
 from radixgen.models.gguf_file import GGUFFile
+from radixgen.models.gguf_weights import RECORD_KINDS
 from radixgen.models.quantized import (
     QuantizedLinear,
     QuantizedWeight,
@@ -108,7 +109,7 @@ def _repacked(kernels: Any, kind: str, blocks: np.ndarray, rows: int) -> torch.T
     raw = torch.from_numpy(np.ascontiguousarray(blocks).view(np.uint8).reshape(rows, -1))
     cols = raw.shape[1] // gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1] * 32
     records = kernels.gguf_repack(raw, int(gguf.GGMLQuantizationType[kind]), cols)
-    return quant_layout.dequantize_packed(records, rows, 4 if kind.startswith("Q4") else 8, torch.float32)
+    return quant_layout.dequantize_packed(records, rows, RECORD_KINDS[kind], torch.float32)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q8_0"])
@@ -161,7 +162,7 @@ def test_a_quantized_gguf_runs_quantized_and_equals_its_dequantized_float_copy(
     assert arena is not None and arena.used == arena.bytes.numel()
     packed = [b for name, b in quantized.model.named_buffers() if name.rsplit(".", 1)[-1].startswith("packed")]
     assert packed and all(arena.holds(b) for b in packed)
-    assert quantized.model.decoder_layers()[0].mlp.gate_up.bits == (8 if kind == "Q8_0" else 4)
+    assert quantized.model.decoder_layers()[0].mlp.gate_up.kind == RECORD_KINDS[kind]
     dequantized = load_model(path, weights="float").model
     ids = list(range(7, 67))
     outs = [PoolHarness(m, attention_kernels=kernels).extend(
@@ -202,8 +203,8 @@ def test_the_bundled_model_runs_as_int4_close_to_its_dequantized_float_copy(toke
 
     quantized, dequantized = load_model(None), load_model(None, weights="float")
     layer = quantized.model.decoder_layers()[0]
-    assert isinstance(layer.attn.qkv, QuantizedLinear) and layer.attn.qkv.bits == 4
-    assert quantized.model.lm_head.bits == 8 and quantized.model.embed.numel() == 0  # no float copy
+    assert isinstance(layer.attn.qkv, QuantizedLinear) and layer.attn.qkv.kind == 4
+    assert quantized.model.lm_head.kind == 8 and quantized.model.embed.numel() == 0  # no float copy
     assert quantized.model.weight_bytes() <= 1.3 * default_gguf_path().stat().st_size
     kernels = cpu_kernels()
     for prompt in PROMPTS[:2]:

@@ -44,11 +44,12 @@ def _greedy(model: Any, ids: list[int], kernels: Any) -> list[int]:
 
 def test_greedy_output_equals_the_float_reference(real_gguf: Path, kernels: Any) -> None:
     from radixgen.models import build_model, load_model
-    from radixgen.models.gguf_weights import GGUFTensor, read_gguf
+    from radixgen.models.gguf_weights import RECORD_KINDS, GGUFTensor, read_gguf
 
     ours = load_model(real_gguf, dtype="float32")
-    kinds = {w for m in ours.model.modules() for w in getattr(m, "widths", ())}
-    assert kinds == {5, 6, 8, 4}, "Q5_0, Q6_K, Q8_0 and Q4_K run as blocks of their own widths"
+    kinds = {w for m in ours.model.modules() for w in getattr(m, "kinds", ())}
+    assert kinds == {RECORD_KINDS[name] for name in ("Q5_0", "Q6_K", "Q8_0", "Q4_K")}, \
+        "Q5_0, Q6_K, Q8_0 and Q4_K run as records of their own kinds"
     assert ours.model.embed.numel() == 0, "no float embedding"
     from transformers import AutoConfig
 
