@@ -149,13 +149,16 @@ void blocks_avx512(const Activations& a, const uint8_t* __restrict packed, int64
       const uint8_t* __restrict rec = kWide ? block + g * stride : group_values<kKind>(block, g);
       // a group's share of the stream (super-block records: the average), read front to back
       prefetch_record<stride>(block + (g + kRecordsAhead) * stride);
-      Factors512 factors;
-      if constexpr (kWide) {
-        const float* f = reinterpret_cast<const float*>(rec + kWideQuantBytes);
-        factors = {_mm512_loadu_ps(f), _mm512_loadu_ps(f + kBlockRows)};
-      } else {
-        factors = group_factors_avx512<kKind>(block, g);
-      }
+      // the group's factors, formed where they are used, once its integer sums are made (not held
+      // in registers through the products)
+      auto factors = [&]() -> Factors512 {
+        if constexpr (kWide) {
+          const float* f = reinterpret_cast<const float*>(rec + kWideQuantBytes);
+          return {_mm512_loadu_ps(f), _mm512_loadu_ps(f + kBlockRows)};
+        } else {
+          return group_factors_avx512<kKind>(block, g);
+        }
+      };
       __m512i iacc[kTokens][kSplit];
       for (int t = 0; t < kTokens; ++t)
         for (int s = 0; s < kSplit; ++s) iacc[t][s] = _mm512_setzero_si512();
@@ -165,10 +168,9 @@ void blocks_avx512(const Activations& a, const uint8_t* __restrict packed, int64
         for (int t = 0; t < kTokens; ++t)
           iacc[t][p % kSplit] = _mm512_dpwssd_epi32(iacc[t][p % kSplit], w, _mm512_set1_epi32(xg[t * pairs_per_token + p]));
       };
-      // the integer sums in accumulators [first, first + count) times part's scales (6 bits: the
-      // group's half ``part``; otherwise the group's)
-      auto fold = [&](int part, int first, int count) {
-        const __m512 d = part == 0 ? factors.first : factors.second;
+      // the integer sums in accumulators [first, first + count) times the scales d (6 bits: of the
+      // group's half whose sums they are; otherwise the group's)
+      auto fold = [&](__m512 d, int first, int count) {
         for (int t = 0; t < kTokens; ++t) {
           __m512i sums = iacc[t][first];
           if (count == 2) sums = _mm512_add_epi32(sums, iacc[t][first + 1]);
@@ -183,7 +185,8 @@ void blocks_avx512(const Activations& a, const uint8_t* __restrict packed, int64
             for (int t = 0; t < kTokens; ++t)
               for (int s = 0; s < kSplit; ++s) iacc[t][s] = _mm512_setzero_si512();
           for (int p = part * kPairs; p < (part + 1) * kPairs; ++p) int8_pair(p);
-          fold(part, 0, kSplit);
+          const Factors512 f = factors();
+          fold(part == 0 ? f.first : f.second, 0, kSplit);
         }
       } else if constexpr (kBits == 8) {
         for (int p = 0; p < 16; ++p) int8_pair(p);
@@ -198,15 +201,17 @@ void blocks_avx512(const Activations& a, const uint8_t* __restrict packed, int64
           }
         }
       }
-      if constexpr (kBits == 6 && !kWide) {  // each half's sums in an accumulator of its own
-        fold(0, 0, 1);
-        fold(1, 1, 1);
-      } else if constexpr (!kWide) {
-        fold(0, 0, kSplit);
-      }
-      if constexpr (has_min(kBits)) {
-        for (int t = 0; t < kTokens; ++t)
-          facc[t] = _mm512_fmadd_ps(factors.second, _mm512_set1_ps(a.xs[t * groups + g]), facc[t]);
+      if constexpr (!kWide) {
+        const Factors512 f = factors();
+        if constexpr (kBits == 6) {  // each half's sums in an accumulator of its own
+          fold(f.first, 0, 1);
+          fold(f.second, 1, 1);
+        } else {
+          fold(f.first, 0, kSplit);
+        }
+        if constexpr (has_min(kBits))
+          for (int t = 0; t < kTokens; ++t)
+            facc[t] = _mm512_fmadd_ps(f.second, _mm512_set1_ps(a.xs[t * groups + g]), facc[t]);
       }
     }
     const int64_t r0 = b * kBlockRows, rows = std::min(kBlockRows, n - r0);
@@ -279,14 +284,18 @@ void blocks_avx2(const Activations& a, const uint8_t* __restrict packed, int64_t
     for (int t = 0; t < kTokens; ++t) facc[t][0] = facc[t][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* __restrict rec = kWide ? block + g * stride : group_values<kKind>(block, g);
-      Factors256 factors;
-      if constexpr (kWide) {
-        const float* f = reinterpret_cast<const float*>(rec + kWideQuantBytes);
-        for (int h = 0; h < 2; ++h)
-          factors.first[h] = _mm256_loadu_ps(f + 8 * h), factors.second[h] = _mm256_loadu_ps(f + kBlockRows + 8 * h);
-      } else {
-        factors = group_factors_avx2<kKind>(block, g);
-      }
+      // the group's factors, formed where they are used, once its integer sums are made
+      auto factors = [&]() -> Factors256 {
+        if constexpr (kWide) {
+          const float* given = reinterpret_cast<const float*>(rec + kWideQuantBytes);
+          Factors256 f;
+          for (int h = 0; h < 2; ++h)
+            f.first[h] = _mm256_loadu_ps(given + 8 * h), f.second[h] = _mm256_loadu_ps(given + kBlockRows + 8 * h);
+          return f;
+        } else {
+          return group_factors_avx2<kKind>(block, g);
+        }
+      };
       // integer sums held at once: one set per half for 6 bits, except widened, where the first
       // half's are folded into the floats before the second's begin (fewer registers, same sums)
       constexpr int kHeld = kWide ? 1 : kSubs;
@@ -307,12 +316,17 @@ void blocks_avx2(const Activations& a, const uint8_t* __restrict packed, int64_t
         accumulate(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * p))),
                    _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 * p + 16))), p, 0);
       };
-      auto fold = [&](int s, int held) {  // sums times the scales of part s (6 bits: half s)
-        const __m256* d = s == 0 ? factors.first : factors.second;
+      auto fold = [&](const __m256* d, int held) {  // sums times the scales d of their part (6 bits: a half)
         for (int t = 0; t < kTokens; ++t) {
           const __m256 xd = _mm256_set1_ps(a.xd[t * groups + g]);
           for (int h = 0; h < 2; ++h)
             facc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[t][h][held]), _mm256_mul_ps(d[h], xd), facc[t][h]);
+        }
+      };
+      auto add_min = [&](const __m256* m) {  // the minimums times the group's activation sums
+        for (int t = 0; t < kTokens; ++t) {
+          const __m256 xs = _mm256_set1_ps(a.xs[t * groups + g]);
+          for (int h = 0; h < 2; ++h) facc[t][h] = _mm256_fmadd_ps(m[h], xs, facc[t][h]);
         }
       };
       zero();
@@ -321,7 +335,9 @@ void blocks_avx2(const Activations& a, const uint8_t* __restrict packed, int64_t
         for (int s = 0; s < kSubs; ++s) {
           if (s > 0) zero();
           for (int p = s * kPairsPerSub; p < (s + 1) * kPairsPerSub; ++p) int8_pair(p);
-          fold(s, 0);
+          const Factors256 f = factors();
+          fold(s == 0 ? f.first : f.second, 0);
+          if (has_min(kBits) && s == kSubs - 1) add_min(f.second);
         }
       } else {
         if constexpr (kBits == 8) {
@@ -334,13 +350,10 @@ void blocks_avx2(const Activations& a, const uint8_t* __restrict packed, int64_t
             accumulate(hi0, hi1, c + 8, kSubs - 1);
           }
         }
-        for (int s = 0; s < kSubs; ++s) fold(s, s);
-      }
-      if constexpr (has_min(kBits)) {
-        for (int t = 0; t < kTokens; ++t) {
-          const __m256 xs = _mm256_set1_ps(a.xs[t * groups + g]);
-          for (int h = 0; h < 2; ++h) facc[t][h] = _mm256_fmadd_ps(factors.second[h], xs, facc[t][h]);
-        }
+        const Factors256 f = factors();
+        fold(f.first, 0);
+        if constexpr (kSubs == 2) fold(f.second, 1);
+        if constexpr (has_min(kBits)) add_min(f.second);
       }
     }
     const int64_t r0 = b * kBlockRows, rows = std::min(kBlockRows, n - r0);
