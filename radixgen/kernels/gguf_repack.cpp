@@ -141,13 +141,12 @@ inline void write_super_record(const uint8_t* first_row, int64_t row_bytes, int6
       std::memcpy(head + 2 * r, b, 2);
       std::memcpy(head + kScaleBytes + 2 * r, b + 2, 2);
       const int i = static_cast<int>(r % 8), upper = static_cast<int>(r / 8);
-      for (int s = 0; s < 8; ++s) {
+      for (int s = 0; s < 8; ++s) {  // quant_records.h's super_code reads them back
         int sc, m;
         scale_min_k4(s, b + 4, &sc, &m);
         uint8_t* part = parts + 24 * s;
-        part[i] |= static_cast<uint8_t>((sc & 0xF) << (4 * upper));
-        part[8 + i] |= static_cast<uint8_t>((m & 0xF) << (4 * upper));
-        part[16 + i] |= static_cast<uint8_t>((sc >> 4) << (2 * upper) | (m >> 4) << (2 * upper + 4));
+        part[r] = static_cast<uint8_t>((sc & 0xF) | (m & 0xF) << 4);
+        part[16 + i] |= static_cast<uint8_t>(((sc >> 4) | (m >> 4) << 2) << (4 * upper));
       }
     }
   }

@@ -230,15 +230,14 @@ def _super_factors(parts: torch.Tensor, head: torch.Tensor, bits: int) -> tuple[
         first, second = factors * codes[..., :BLOCK_ROWS], factors * codes[..., BLOCK_ROWS:]
     else:
         row = torch.arange(BLOCK_ROWS, device=parts.device)
-        byte, upper = row % 8, row // 8
         p = parts.to(torch.int32)
+        low, upper = p[..., :BLOCK_ROWS], p[..., BLOCK_ROWS + row % 8] >> (4 * (row // 8))
 
-        def code(field: int, high_offset: int) -> torch.Tensor:
-            low = (p[..., 8 * field + byte] >> (4 * upper)) & 0xF
-            return low | ((p[..., 16 + byte] >> (2 * upper + high_offset)) & 3) << 4
+        def code(field: int) -> torch.Tensor:  # quant_records.h's super_code
+            return ((low >> (4 * field)) & 0xF) | ((upper >> (2 * field)) & 3) << 4
 
-        first = factors[..., :BLOCK_ROWS] * code(0, 0).float()
-        second = factors[..., BLOCK_ROWS:] * (-code(1, 4)).float()
+        first = factors[..., :BLOCK_ROWS] * code(0).float()
+        second = factors[..., BLOCK_ROWS:] * (-code(1)).float()
     return first.reshape(blocks, supers * SUPER_GROUPS, BLOCK_ROWS), \
         second.reshape(blocks, supers * SUPER_GROUPS, BLOCK_ROWS)
 

@@ -61,13 +61,13 @@ inline const uint8_t* group_values(const uint8_t* block, int64_t g) {
   else return block + g * record_bytes(kKind);
 }
 
-// The 6-bit codes of a 4/5-bit super-block record's group scale part: bytes 0..7 the scale codes'
-// low nibbles (byte i: row i, row i + 8 in the high nibble), 8..15 the minimum codes' likewise,
-// 16..23 the bits above them (byte i: rows i and i + 8 of the scale, then of the minimum, 2 bits each).
+// The 6-bit codes of a 4/5-bit super-block record's group scale part: byte r (0..15) holds row r's
+// scale code's low nibble under its minimum code's; byte 16 + i (i < 8) the bits above them, 2 each:
+// row i's scale's, row i's minimum's, row i + 8's scale's, row i + 8's minimum's. (One byte per
+// row for the nibbles, so that a vector's lanes widen from consecutive bytes.)
 inline int super_code(const uint8_t* part, int64_t r, bool minimum) {
-  const int i = static_cast<int>(r % 8), upper = static_cast<int>(r / 8);
-  const int low = (part[(minimum ? 8 : 0) + i] >> (4 * upper)) & 0xF;
-  const int high = (part[16 + i] >> (2 * upper + (minimum ? 4 : 0))) & 3;
+  const int low = (part[r] >> (minimum ? 4 : 0)) & 0xF;
+  const int high = (part[16 + r % 8] >> (4 * (r / 8) + (minimum ? 2 : 0))) & 3;
   return low | high << 4;
 }
 
@@ -224,23 +224,19 @@ inline Factors512 group_factors_avx512(const uint8_t* block, int64_t g) {
       };
       return {_mm512_mul_ps(d, codes(part)), _mm512_mul_ps(d, codes(part + 16))};
     } else {
-      // lanes 0-7 and 8-15 both read bytes 0-7 of a field; rows 8-15 take their upper bits
-      auto bytes = [](const uint8_t* p) {
-        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-        return _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(v, v));
-      };
-      const __m512i upper_rows = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-      const __m512i nibble_shift = _mm512_slli_epi32(upper_rows, 2), high_shift = _mm512_slli_epi32(upper_rows, 1);
-      const __m512i high = bytes(part + 16), low_mask = _mm512_set1_epi32(0xF), two = _mm512_set1_epi32(3);
-      auto code = [&](int field, int high_offset) {
-        const __m512i low = _mm512_and_si512(_mm512_srlv_epi32(bytes(part + 8 * field), nibble_shift), low_mask);
-        const __m512i top = _mm512_and_si512(
-            _mm512_srlv_epi32(high, _mm512_add_epi32(high_shift, _mm512_set1_epi32(high_offset))), two);
-        return _mm512_or_si512(low, _mm512_slli_epi32(top, 4));
-      };
-      const __m512 dmin = halves(head + kScaleBytes);
-      return {_mm512_mul_ps(d, _mm512_cvtepi32_ps(code(0, 0))),
-              _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_setzero_si512(), code(1, 4))))};
+      const __m512i low = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(part)));
+      // the upper bits' 8 bytes in both halves of the lanes, rows 8-15 shifted down to their nibble
+      int64_t upper_bytes;
+      std::memcpy(&upper_bytes, part + 16, 8);
+      const __m512i upper = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_set1_epi64x(upper_bytes)),
+                                              _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0));
+      const __m512i nibble = _mm512_set1_epi32(0xF), top_bits = _mm512_set1_epi32(0x30);
+      const __m512i scale_code = _mm512_or_si512(_mm512_and_si512(low, nibble),
+                                                 _mm512_and_si512(_mm512_slli_epi32(upper, 4), top_bits));
+      const __m512i min_code = _mm512_or_si512(_mm512_srli_epi32(low, 4),
+                                               _mm512_and_si512(_mm512_slli_epi32(upper, 2), top_bits));
+      const __m512 neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), halves(head + kScaleBytes));
+      return {_mm512_mul_ps(d, _mm512_cvtepi32_ps(scale_code)), _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(min_code))};
     }
   }
 }
@@ -274,15 +270,16 @@ inline Factors256 group_factors_avx2(const uint8_t* block, int64_t g) {
         };
         f.first[h] = _mm256_mul_ps(d, codes(part + 8 * h)), f.second[h] = _mm256_mul_ps(d, codes(part + 16 + 8 * h));
       } else {
-        const __m256i high = bytes(part + 16), low_mask = _mm256_set1_epi32(0xF), two = _mm256_set1_epi32(3);
-        auto code = [&](int field, int high_offset) {
-          const __m256i low = _mm256_and_si256(_mm256_srl_epi32(bytes(part + 8 * field), _mm_cvtsi32_si128(4 * h)), low_mask);
-          const __m256i top = _mm256_and_si256(_mm256_srl_epi32(high, _mm_cvtsi32_si128(2 * h + high_offset)), two);
-          return _mm256_or_si256(low, _mm256_slli_epi32(top, 4));
-        };
-        f.first[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(code(0, 0)));
-        f.second[h] = _mm256_mul_ps(halves(head + kScaleBytes + 16 * h),
-                                    _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_setzero_si256(), code(1, 4))));
+        const __m256i low = bytes(part + 8 * h);
+        const __m256i upper = _mm256_srl_epi32(bytes(part + 16), _mm_cvtsi32_si128(4 * h));
+        const __m256i nibble = _mm256_set1_epi32(0xF), top_bits = _mm256_set1_epi32(0x30);
+        const __m256i scale_code = _mm256_or_si256(_mm256_and_si256(low, nibble),
+                                                   _mm256_and_si256(_mm256_slli_epi32(upper, 4), top_bits));
+        const __m256i min_code = _mm256_or_si256(_mm256_srli_epi32(low, 4),
+                                                 _mm256_and_si256(_mm256_slli_epi32(upper, 2), top_bits));
+        const __m256 neg_dmin = _mm256_sub_ps(_mm256_setzero_ps(), halves(head + kScaleBytes + 16 * h));
+        f.first[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(scale_code));
+        f.second[h] = _mm256_mul_ps(neg_dmin, _mm256_cvtepi32_ps(min_code));
       }
     }
   }
