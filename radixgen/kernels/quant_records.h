@@ -71,12 +71,24 @@ inline int super_code(const uint8_t* part, int64_t r, bool minimum) {
   return low | high << 4;
 }
 
-// The float32 factors of group g of a block, per row: ``first`` the scale (6 bits: of elements
-// 0..15), ``second`` the minimum (4/5 bits), the scale of elements 16..31 (6 bits) or unused (8 bits).
-// Super-block records: products of the float16 factor and the integer code, exact in float32.
+// A group record without a stored minimum (Q4_0 / Q5_0): its minimum is the scale times this.
 template <int64_t kKind>
 constexpr float offset_factor() { return -static_cast<float>(1 << (value_bits(kKind) - 1)); }
 
+// A super-block record's group scale part and its rows' float16 factors, for group g of a block.
+template <int64_t kKind>
+inline const uint8_t* super_part(const uint8_t* block, int64_t g) {
+  return block + (g / kSuperGroups) * super_bytes(kKind) + kSuperGroups * quant_bytes(kKind) +
+         (g % kSuperGroups) * super_scale_bytes(kKind);
+}
+template <int64_t kKind>
+inline const uint8_t* super_head(const uint8_t* block, int64_t g) {
+  return block + (g / kSuperGroups) * super_bytes(kKind) + kSuperGroups * (quant_bytes(kKind) + super_scale_bytes(kKind));
+}
+
+// The float32 factors of group g of a block, per row: ``first`` the scale (6 bits: of elements
+// 0..15), ``second`` the minimum (4/5 bits), the scale of elements 16..31 (6 bits) or unused (8 bits).
+// Super-block records: products of the float16 factor and the integer code, exact in float32.
 template <int64_t kKind>
 inline void group_factors(const uint8_t* block, int64_t g, float* first, float* second) {
   auto half = [](const uint8_t* p) {
@@ -92,9 +104,8 @@ inline void group_factors(const uint8_t* block, int64_t g, float* first, float* 
       else second[r] = value_bits(kKind) == 8 ? 0.f : half(f + kScaleBytes + 2 * r);
     }
   } else {
-    const uint8_t* super = block + (g / kSuperGroups) * super_bytes(kKind);
-    const uint8_t* part = super + kSuperGroups * quant_bytes(kKind) + (g % kSuperGroups) * super_scale_bytes(kKind);
-    const uint8_t* head = super + kSuperGroups * (quant_bytes(kKind) + super_scale_bytes(kKind));
+    const uint8_t* part = super_part<kKind>(block, g);
+    const uint8_t* head = super_head<kKind>(block, g);
     for (int64_t r = 0; r < kBlockRows; ++r) {
       if constexpr (value_bits(kKind) == 6) {
         const float d = half(head + 2 * r);
@@ -105,16 +116,6 @@ inline void group_factors(const uint8_t* block, int64_t g, float* first, float* 
       }
     }
   }
-}
-
-template <int64_t kKind>
-inline const uint8_t* super_part(const uint8_t* block, int64_t g) {
-  return block + (g / kSuperGroups) * super_bytes(kKind) + kSuperGroups * quant_bytes(kKind) +
-         (g % kSuperGroups) * super_scale_bytes(kKind);
-}
-template <int64_t kKind>
-inline const uint8_t* super_head(const uint8_t* block, int64_t g) {
-  return block + (g / kSuperGroups) * super_bytes(kKind) + kSuperGroups * (quant_bytes(kKind) + super_scale_bytes(kKind));
 }
 
 // A widened record (quant_linear.cpp's widen_avx2 / widen_avx512): its group's values as int8 in
