@@ -49,7 +49,6 @@
 #include "quant_records.h"
 
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -456,21 +455,6 @@ struct Kernel {
   Widen widen = nullptr;
   int64_t wide_bytes = 0;
 };
-
-// Every record kind as a template argument: f<kind>() for the kind given at run time.
-template <typename F>
-auto with_kind(int64_t kind, F&& f) {
-  switch (kind) {
-    case 4: return f(std::integral_constant<int64_t, 4>{});
-    case 5: return f(std::integral_constant<int64_t, 5>{});
-    case 8: return f(std::integral_constant<int64_t, 8>{});
-    case kOffset + 4: return f(std::integral_constant<int64_t, kOffset + 4>{});
-    case kOffset + 5: return f(std::integral_constant<int64_t, kOffset + 5>{});
-    case kSuper + 4: return f(std::integral_constant<int64_t, kSuper + 4>{});
-    case kSuper + 5: return f(std::integral_constant<int64_t, kSuper + 5>{});
-    default: return f(std::integral_constant<int64_t, kSuper + 6>{});
-  }
-}
 
 Kernel kernel_for(int64_t kind, int64_t tokens, int64_t groups) {
   return with_kind(kind, [&](auto kind_constant) -> Kernel {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -29,6 +30,21 @@ constexpr int value_bits(int64_t kind) { return static_cast<int>(kind % 100); }
 constexpr bool valid_kind(int64_t kind) {
   return kind == 4 || kind == 5 || kind == 8 || kind == kOffset + 4 || kind == kOffset + 5 ||
          kind == kSuper + 4 || kind == kSuper + 5 || kind == kSuper + 6;
+}
+
+// Every record kind as a template argument: f<kind>() for the kind given at run time.
+template <typename F>
+auto with_kind(int64_t kind, F&& f) {
+  switch (kind) {
+    case 4: return f(std::integral_constant<int64_t, 4>{});
+    case 5: return f(std::integral_constant<int64_t, 5>{});
+    case 8: return f(std::integral_constant<int64_t, 8>{});
+    case kOffset + 4: return f(std::integral_constant<int64_t, kOffset + 4>{});
+    case kOffset + 5: return f(std::integral_constant<int64_t, kOffset + 5>{});
+    case kSuper + 4: return f(std::integral_constant<int64_t, kSuper + 4>{});
+    case kSuper + 5: return f(std::integral_constant<int64_t, kSuper + 5>{});
+    default: return f(std::integral_constant<int64_t, kSuper + 6>{});
+  }
 }
 
 // bytes of the quantized values of one group of 16 rows

@@ -156,16 +156,9 @@ using BlockDecoder = void (*)(const uint8_t*, int64_t, T*, int64_t);
 
 template <typename T>
 BlockDecoder<T> decoder_for(int64_t kind) {
-  switch (kind) {
-    case 4: return decode_block<4, T>;
-    case 5: return decode_block<5, T>;
-    case 8: return decode_block<8, T>;
-    case kOffset + 4: return decode_block<kOffset + 4, T>;
-    case kOffset + 5: return decode_block<kOffset + 5, T>;
-    case kSuper + 4: return decode_block<kSuper + 4, T>;
-    case kSuper + 5: return decode_block<kSuper + 5, T>;
-    default: return decode_block<kSuper + 6, T>;
-  }
+  return with_kind(kind, [](auto kind_constant) -> BlockDecoder<T> {
+    return decode_block<decltype(kind_constant)::value, T>;
+  });
 }
 
 }  // namespace
