@@ -156,9 +156,10 @@ class EngineConfig:
     a request whose drafts stop paying for their verification at the batch size stops drafting.
     auto: constrained requests draft (their answers are mostly copied or forced text); ngram:
     every request; off: none. A request's ``speculative`` overrides it either way."""
-    speculative_max_draft: int = 6
+    speculative_max_draft: int = 10
     """Most tokens one request drafts per step of the text its constraint forces, and as many
-    again of guessed tokens (copied or n-gram) after it."""
+    again of guessed tokens (copied or n-gram) after it: the guess is as long as its kind of
+    guess has lately run right, at most this (speculative.GuessLengths)."""
     speculative_max_batch: int | None = None
     """auto: requests draft only while at most this many decode. None (default): measured on
     this machine, per batch size: a request drafts where the engine's own step times say its

@@ -4,7 +4,8 @@ see, and how much it drafts next."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 _MIN_MATCH = 2
@@ -15,16 +16,19 @@ INDEX_WINDOW = 4096
 _TEXT_MIN_MATCH = 3
 _TEXT_MAX_MATCH = 32
 _TEXT_CHARS_PER_TOKEN = 8  # prompt text read per token to draft (a token is rarely longer)
+_LAST_WORD = re.compile(r"\w+$")
+_VALUE = re.compile(r"\S+")
+_VALUE_END = ".,;:!?)]}'\""
 
 
 @dataclass
 class NgramIndex:
-    """Where each n-gram of a request's tokens last occurred (n = 2 .. max_n), as the index of
-    the token that followed it. The newest position is never indexed before it is looked up,
-    so a lookup finds an earlier occurrence, never the suffix itself."""
+    """Where each n-gram of a request's tokens occurred (n = 2 .. max_n), as the indexes of the
+    tokens that followed it, oldest first. The newest position is never indexed before it is
+    looked up, so a lookup finds an earlier occurrence, never the suffix itself."""
 
     max_n: int
-    tables: list[dict[tuple[int, ...], int]] = field(default_factory=list)
+    tables: list[dict[tuple[int, ...], list[int]]] = field(default_factory=list)
     indexed_to: int = 0
     """n-grams ending before this position are in the tables."""
 
@@ -36,21 +40,32 @@ class NgramIndex:
         start = max(self.indexed_to, end - INDEX_WINDOW)
         for stop in range(start + 1, end + 1):  # n-grams tokens[stop - n : stop], followed by tokens[stop]
             for n in range(_MIN_MATCH, min(self.max_n, stop) + 1):
-                self.tables[n][tuple(tokens[stop - n : stop])] = stop
+                self.tables[n].setdefault(tuple(tokens[stop - n : stop]), []).append(stop)
         self.indexed_to = max(self.indexed_to, end)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the longest recent match of the sequence's suffix
-        (at least two tokens long: a single common token predicts too little to pay)."""
-        return self.propose_from(tokens, k)[0]
+        """Up to ``k`` tokens that followed the latest occurrence of the longest match of the
+        sequence's suffix (at least two tokens long: a single common token predicts too little
+        to pay)."""
+        for proposal, _ in self.candidates(tokens, k):
+            return proposal
+        return []
 
-    def propose_from(self, tokens: list[int], k: int) -> tuple[list[int], int]:
-        """``propose``'s tokens and the position they start at in ``tokens`` (-1: none)."""
+    def candidates(self, tokens: list[int], k: int, limit: int = 1) -> Iterator[tuple[list[int], int]]:
+        """Up to ``limit`` continuations of the sequence's suffix, each up to ``k`` tokens and
+        the position it starts at in ``tokens``: the longest match's occurrences first, the
+        latest first among them, then shorter matches' other occurrences. The caller takes the
+        first its grammar allows (the latest copy of "03" may be followed by a "." where a date
+        needs a "-")."""
+        seen: set[int] = set()
         for n in range(min(self.max_n, len(tokens)), _MIN_MATCH - 1, -1):
-            start = self.tables[n].get(tuple(tokens[len(tokens) - n :]))
-            if start is not None:
-                return tokens[start : start + k], start
-        return [], -1
+            for start in reversed(self.tables[n].get(tuple(tokens[len(tokens) - n :]), ())):
+                if start in seen:
+                    continue
+                seen.add(start)
+                yield tokens[start : start + k], start
+                if len(seen) >= limit:
+                    return
 
 
 def prompt_text_continuation(prompt_text: str, tail: str, k: int, encode: Callable[[str], list[int]]) -> list[int]:
@@ -76,6 +91,40 @@ def prompt_text_continuation(prompt_text: str, tail: str, k: int, encode: Callab
     return ids[:k]
 
 
+def word_start_continuation(prompt_text: str, tail: str, output_text: str, k: int,
+                            encode: Callable[[str], list[int]]) -> list[int]:
+    """Up to ``k`` tokens of the prompt text that follows the output's last word so far (its
+    letters and digits after the last other character, however short), where that word starts
+    a word of the prompt: the first occurrence whose next characters the output does not hold
+    yet, else the first.
+
+    Where the output starts a copied value (``"N`` of ``"Nordlicht"``, the ``2`` of a date) no
+    suffix of three characters is in the prompt yet; the value's first characters and the
+    order of the prompt's values (a second date is the one not yet written) usually are enough."""
+    word = _LAST_WORD.search(tail)
+    if word is None:
+        return []
+    text = word.group()
+    starts = [m.start() for m in re.finditer(r"(?<!\w)" + re.escape(text), prompt_text)]
+    starts = [at for at in starts if at + len(text) < len(prompt_text)]
+    if not starts:
+        return []
+    fresh = [at for at in starts if _value_at(prompt_text, at) not in output_text]
+    end = (fresh or starts)[0] + len(text)
+    span = prompt_text[end : end + k * _TEXT_CHARS_PER_TOKEN]
+    ids = encode(span)
+    if end + len(span) < len(prompt_text):
+        ids = ids[:-1]  # the span may end inside a word: its last token would not be the model's
+    return ids[:k]
+
+
+def _value_at(text: str, at: int) -> str:
+    """The prompt's value that starts at ``at``: its characters up to a space, less the
+    punctuation that ends a sentence or a list around it ("2024-04-03." -> "2024-04-03")."""
+    match = _VALUE.match(text, at)
+    return match.group().rstrip(_VALUE_END) if match is not None else ""
+
+
 @dataclass
 class DraftState:
     """A speculating request's drafting state."""
@@ -92,10 +141,6 @@ class DraftState:
     (of the output)."""
     prompt_text: str | None = None
     """The prompt's recent text, decoded when a text copy is first looked for."""
-    length: int = 2
-    """How many guessed tokens to draft next (forced text comes on top): doubled after a guess
-    accepted whole, otherwise one more than the last guess's accepted part (a drafted position
-    costs about a quarter of a decode step here: benchmarks/bench_speculative.py)."""
     drafted: int = 0
     accepted: int = 0
     accepted_forced: int = 0

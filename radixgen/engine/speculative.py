@@ -3,10 +3,12 @@
 A request's next tokens are often a copy of tokens it has seen (extraction copies the
 prompt's names and numbers, a repeated answer repeats itself). Before a decode step, such a
 request looks up its last n tokens (the longest n that matches, up to ``speculative_ngram_max``)
-in an index of its own prompt and output, and drafts the tokens that followed their latest
-earlier occurrence; where no tokens match, the text of its last tokens is looked up in the
-prompt's text and the text after it drafted (a copy that starts inside another token than the
-prompt's); a constrained request's draft is cut at the first token its automaton would reject.
+in an index of its own prompt and output, and drafts the tokens that followed an earlier
+occurrence; where no tokens match, the text of its last tokens is looked up in the prompt's
+text and the text after it drafted (a copy that starts inside another token than the prompt's,
+or a value whose first characters begin a word of the prompt); a constrained request's draft
+is the text its automaton forces, then the first such guess the automaton takes, cut at the
+first token it would reject, as long as guesses of its kind have lately run (``GuessLengths``).
 The step then feeds the request's newest token and its k drafts as one extend (the planner's
 speculative rows) and takes the logits after each of them. Verification keeps
 the longest prefix of the draft that equals the model's own choice at each position (under the
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +41,14 @@ import torch
 
 from radixgen.config import EngineConfig
 from radixgen.constraints.backend import Matcher
-from radixgen.engine.constrained import forced_token_ids, mask_logits, walk_masks
-from radixgen.engine.ngram import INDEX_WINDOW, DraftState, NgramIndex, prompt_text_continuation
+from radixgen.engine.constrained import mask_logits, walk_masks
+from radixgen.engine.ngram import (
+    INDEX_WINDOW,
+    DraftState,
+    NgramIndex,
+    prompt_text_continuation,
+    word_start_continuation,
+)
 from radixgen.engine.plan import StepPlan
 from radixgen.engine.request import Request
 from radixgen.engine.sampler import (
@@ -64,6 +73,16 @@ _PAYS_BY = 1.1
 _COST_WINDOW = 64  # the latest steps per batch-size bucket that the step-time fit reads
 _REFIT_AFTER = 8  # new steps in a bucket after which its standing fit is computed again
 _TAIL_TOKENS = 8  # a text copy looks up the text of the output's last few tokens
+# GuessLengths: a guess's run counts lose this share per guess observed (they follow the last few
+# hundred guesses); the hazard a position starts from before any guess reached it, and how many
+# guesses' weight that prior has; every how many guesses one is drafted at the longest length.
+_LENGTH_DECAY = 0.995
+_PRIOR_HAZARD = 0.3
+_PRIOR_WEIGHT = 2.0
+_EXPLORE_EVERY = 8
+# Continuations of the suffix's earlier occurrences tried against the grammar before a copy by
+# the prompt's text: each costs an automaton walk of its tokens.
+_CANDIDATES = 4
 
 
 @dataclass
@@ -145,6 +164,54 @@ class DraftCost:
         return min(max(m * rows / step, 0.05), 0.95)
 
 
+class GuessLengths:
+    """How long to guess, from how far guesses of this kind have run before the model left them.
+
+    A guess of E tokens whose first j are right returns j + 1 tokens for a step that costs
+    1 + c*E decode steps (c: a drafted position's cost, ``DraftCost.break_even``), so the best E
+    maximises (1 + S(1) + ... + S(E)) / (1 + c*E), S(j) being the chance a guess's first j
+    tokens are all right. S is estimated from the guesses verified so far, each a run of right
+    tokens that ended at its first wrong one or was cut by its own length (a Kaplan-Meier
+    estimate, counts decaying so it follows the traffic). Copies run long once begun (a name,
+    a date) and stop where a value ends: S falls off slowly after its first steps, which a
+    length that shrinks after every miss cannot follow. Every ``_EXPLORE_EVERY``-th guess is
+    drafted at the longest length, or positions past the chosen length would never be seen."""
+
+    def __init__(self, longest: int) -> None:
+        self.longest = longest
+        self.at_risk = np.zeros(longest + 1)
+        """Per position j (1-based), guesses that reached it: drafted that far, all before it right."""
+        self.ended = np.zeros(longest + 1)
+        """Per position j, guesses whose first wrong token was at j."""
+        self.guesses = 0
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self.at_risk *= _LENGTH_DECAY
+        self.ended *= _LENGTH_DECAY
+        reached = min(accepted + 1, drafted, self.longest)
+        self.at_risk[1 : reached + 1] += 1
+        if accepted < drafted and accepted < self.longest:
+            self.ended[accepted + 1] += 1
+
+    def survival(self) -> np.ndarray:
+        """[longest] S(1..longest): each position's hazard from its own guesses, pulled toward
+        the guesses' pooled hazard (all a position has before it is reached)."""
+        pooled = (self.ended.sum() + _PRIOR_HAZARD) / (self.at_risk.sum() + 1.0)
+        hazard = (self.ended[1:] + _PRIOR_WEIGHT * pooled) / (self.at_risk[1:] + _PRIOR_WEIGHT)
+        return np.cumprod(1.0 - hazard)
+
+    def choose(self, cost: float) -> int:
+        """The guess length that returns the most tokens per step's cost; the longest now and then."""
+        self.guesses += 1
+        if self.guesses % _EXPLORE_EVERY == 0:
+            return self.longest
+        lengths = np.arange(1, self.longest + 1)
+        value = (1.0 + np.cumsum(self.survival())) / (1.0 + cost * lengths)
+        return int(lengths[int(np.argmax(value))])
+
+
 def _fit_step_time(samples: np.ndarray) -> tuple[float, float, float] | None:
     """(a, b, m) of seconds = a + b*rows + m*drafted over [n, 3] samples; None while the drafted
     counts hardly vary apart from the rows (the fit would be noise)."""
@@ -178,6 +245,8 @@ class NgramDrafter:
         """Accepted draft tokens by where they came from: the constraint's forced text, a span
         of the prompt, or an earlier stretch of the output."""
         self.cost = DraftCost()
+        self.guess_lengths = {"copied": GuessLengths(self.max_draft), "ngram": GuessLengths(self.max_draft)}
+        """How long each kind of guess is drafted (copies of the prompt run longer than n-grams)."""
         self.max_step_tokens: int | None = None
         """Most tokens a step with drafts may feed (None: no bound): past it the model runs its
         linears in lower precision (``ModelRunner.full_precision_max_tokens``), and a draft
@@ -273,45 +342,63 @@ class NgramDrafter:
             state.index.update(tokens)
             constraint = req.constraint
             # forced text is drafted whole (the grammar writes nothing else there, so it is lost
-            # only where the model splits it into other tokens); a guess, at its adaptive length
+            # only where the model splits it into other tokens); a guess, at the length its kind
+            # of guess has run to lately
             forced = self._forced(constraint.matcher, min(room, self.max_draft)) if constraint is not None else []
-            guess = min(state.length, room - len(forced))
-            proposed, found_at = state.index.propose_from(tokens + forced, guess)
-            if not proposed and guess > 0:
-                proposed = self._copied_text(req, state, tokens + forced, guess)
-                found_at = 0 if proposed else -1  # a copy of the prompt, by its text
-            draft = forced + proposed
-            if draft and constraint is not None:
-                draft = _grammatical_prefix(constraint.matcher, draft)
+            room_left = min(self.max_draft, room - len(forced))
+            guesses = self._guesses(req, state, tokens + forced, room_left) if room_left > 0 else iter(())
+            if constraint is not None:
+                draft, found_at = _grammatical_draft(constraint.matcher, forced, guesses)
+            else:
+                proposed, found_at = next(guesses, ([], -1))
+                draft = forced + proposed
+            source = "copied" if found_at < req.prompt_len else "ngram"
+            if found_at >= 0:
+                length = self.guess_lengths[source].choose(self.cost.break_even(len(reqs)))
+                draft = draft[: len(forced) + length]
             if draft:
                 state.draft = draft
                 state.draft_forced = min(len(forced), len(draft))
-                state.draft_source = "copied" if found_at < req.prompt_len else "ngram"
+                state.draft_source = source
                 drafts[req] = draft
                 budget -= len(draft)
         return drafts
 
-    def _copied_text(self, req: Request, state: DraftState, tokens: list[int], k: int) -> list[int]:
-        """Up to ``k`` tokens of the prompt's text after the output's last characters, where the
-        token index found no match (``ngram.prompt_text_continuation``)."""
+    def _guesses(self, req: Request, state: DraftState, tokens: list[int], k: int
+                 ) -> Iterator[tuple[list[int], int]]:
+        """Guesses of up to ``k`` tokens to follow ``tokens``, best first, each with where it
+        starts in ``tokens`` (a copy of the prompt by its text: 0): continuations of the suffix's
+        earlier occurrences (``ngram.NgramIndex``), else the prompt's text after the output's last
+        characters (``ngram.prompt_text_continuation``: a copy begun inside another token than
+        the prompt's, ``"INV`` against `` INV``), else after the output's last word where a word
+        of the prompt starts so (``ngram.word_start_continuation``: a value's first characters)."""
+        yield from state.index.candidates(tokens, k, limit=_CANDIDATES)
         if self.tokenizer is None:
-            return []
+            return
         if state.prompt_text is None:
             state.prompt_text = self.tokenizer.decode(req.prompt_ids[-INDEX_WINDOW:])
         tail = self.tokenizer.decode(tokens[max(req.prompt_len, len(tokens) - _TAIL_TOKENS) :])
-        return prompt_text_continuation(state.prompt_text, tail, k, self._encode)
+        copied = prompt_text_continuation(state.prompt_text, tail, k, self._encode)
+        if copied:
+            yield copied, 0
+            return
+        output_text = self.tokenizer.decode(tokens[req.prompt_len :])
+        copied = word_start_continuation(state.prompt_text, tail, output_text, k, self._encode)
+        if copied:
+            yield copied, 0
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _forced(self, matcher: Matcher, room: int) -> list[int]:
         """The tokens of the text the request's automaton forces next (jump-forward's text, here
-        verified in the step instead of appended before it), the last one left for the model
-        as jump-forward leaves it: it may merge with what follows."""
+        verified in the step instead of appended before it). All of them: where the model would
+        merge the last with what follows ('"' + 'John' -> '"John'), verification rejects it
+        there, which jump-forward, appending unverified, must leave to the model."""
         text = matcher.forced_string() if self.tokenizer is not None else ""
         if not text:
             return []
-        return forced_token_ids(self.tokenizer, text)[:room]
+        return self._encode(text)[:room]
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
         state = req.speculation
@@ -320,9 +407,8 @@ class NgramDrafter:
         state.drafted += drafted
         state.accepted += accepted
         forced = min(accepted, state.draft_forced)
-        guessed, guessed_right = drafted - state.draft_forced, accepted - forced
-        if guessed > 0:  # the guessed part's length follows how much of it was right
-            state.length = min(self.max_draft, 2 * guessed) if guessed_right == guessed else guessed_right + 1
+        if accepted >= state.draft_forced:  # the guess was reached
+            self.guess_lengths[state.draft_source].observe(drafted - state.draft_forced, accepted - forced)
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         state.accepted_forced += forced
@@ -349,17 +435,44 @@ def _grammatical_prefix(matcher: Matcher, draft: list[int]) -> list[int]:
     """The draft up to the first token the request's automaton rejects, and before a stop token
     that would end it (the end is the model's to choose; verifying past it would ask a finished
     automaton for a mask); the automaton's state unchanged."""
+    taken, walked = _walk(matcher, draft)
+    if walked:
+        matcher.rollback(walked)
+    return draft[:taken]
+
+
+def _grammatical_draft(matcher: Matcher, forced: list[int], guesses: Iterator[tuple[list[int], int]]
+                       ) -> tuple[list[int], int]:
+    """The forced tokens' grammatical prefix, followed by the first guess whose first token the
+    automaton takes after them, cut as ``_grammatical_prefix`` cuts; with where that guess
+    starts (-1: none taken). The automaton's state unchanged."""
+    taken, walked = _walk(matcher, forced)
+    draft, found_at = forced[:taken], -1
+    if taken == len(forced) and walked == taken:
+        for proposed, start in guesses:
+            more, more_walked = _walk(matcher, proposed)
+            if more_walked:
+                matcher.rollback(more_walked)
+            if more:
+                draft, found_at = forced + proposed[:more], start
+                break
+    if walked:
+        matcher.rollback(walked)
+    return draft, found_at
+
+
+def _walk(matcher: Matcher, tokens: list[int]) -> tuple[int, int]:
+    """Walk the automaton over ``tokens`` as far as it takes them, before a stop token that
+    ends it: (tokens taken, tokens walked, which the caller rolls back)."""
     taken = walked = 0
-    for token in draft:
+    for token in tokens:
         if matcher.is_terminated() or not matcher.accept(token):
             break
         walked += 1
         if matcher.is_terminated():
             break
         taken += 1
-    if walked:
-        matcher.rollback(walked)
-    return draft[:taken]
+    return taken, walked
 
 
 def verify(plan: StepPlan, logits: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState, bitmask: np.ndarray,

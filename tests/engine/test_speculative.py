@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from radixgen import Engine, SamplingParams
-from radixgen.engine.ngram import NgramIndex, prompt_text_continuation
+from radixgen.engine.ngram import NgramIndex, prompt_text_continuation, word_start_continuation
+from radixgen.engine.speculative import GuessLengths
 
 # prompts the tiny model continues with runs of repeated tokens (so drafts are accepted) and
 # with turns (so some are rejected)
@@ -37,6 +38,38 @@ def test_the_index_finds_the_latest_earlier_occurrence_of_the_longest_suffix() -
     lone = NgramIndex(max_n=3)
     lone.update([4, 5, 6])
     assert lone.propose([4, 5, 6], 3) == [], "the suffix itself is not an earlier occurrence"
+
+
+def test_the_index_offers_every_earlier_occurrence_longest_match_first_latest_first() -> None:
+    index = NgramIndex(max_n=3)
+    tokens = [1, 2, 3, 40, 9, 2, 3, 50, 1, 2, 3, 60, 7, 2, 3]
+    index.update(tokens)
+    # (7, 2, 3) never occurred before; (2, 3) did three times: the latest first, each once
+    assert list(index.candidates(tokens, 1, limit=9)) == [([60], 11), ([50], 7), ([40], 3)]
+    tokens[-3] = 1  # suffix (1, 2, 3): its two occurrences lead, then (2, 3)'s other one
+    index = NgramIndex(max_n=3)
+    index.update(tokens)
+    assert list(index.candidates(tokens, 2, limit=9)) == [([60, 1], 11), ([40, 9], 3), ([50, 1], 7)]
+    assert list(index.candidates(tokens, 2, limit=2)) == [([60, 1], 11), ([40, 9], 3)]
+
+
+def test_a_value_begun_in_the_output_is_copied_from_where_a_prompt_word_starts_so() -> None:
+    def chars(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    prompt = "Invoice INV-20931 from Nordlicht GmbH, dated 2024-03-04, due 2024-04-03."
+    assert word_start_continuation(prompt, '{"organisation": "N', "", 5, chars) == chars("ordli"), \
+        "one character begins a word of the prompt: the INV's N does not"
+    # the first "2" starts 20931, which the output holds: the first date is the one not yet written
+    written = '{"id": "INV-20931", "dates": ["'
+    assert word_start_continuation(prompt, written[-8:] + "2", written, 6, chars) == chars("024-03")
+    written += '2024-03-04", "'
+    assert word_start_continuation(prompt, written[-8:] + "20", written, 5, chars) == chars("24-04")
+    assert word_start_continuation(prompt, 'x": "', "", 3, chars) == [], "no word begun"
+    assert word_start_continuation(prompt, '"Q', "", 3, chars) == [], "no prompt word starts so"
+    # every occurrence written already: the first
+    assert word_start_continuation("due 2024-04-03 or 2025-01-01.", '"2', "2024-04-03 2025-01-01", 3, chars) == \
+        chars("024")
 
 
 def test_a_text_copy_continues_after_the_longest_suffix_found_in_the_prompt_text() -> None:
@@ -78,7 +111,8 @@ def test_a_copy_that_starts_inside_another_token_is_drafted_from_the_prompt_text
     drafts = drafter.draft([req])
     assert req.speculation is not None and req.speculation.draft_source == "copied"
     assert req.speculation.index.propose(req.all_ids(), 2) == [], "the tokens alone match nothing"
-    assert tok.decode(drafts[req]) == "-2"  # the continuation, as long as the request's guesses
+    copied = tok.decode(drafts[req])  # the continuation, as long as guesses are drafted
+    assert len(drafts[req]) >= 2 and "-20931 dated 2024".startswith(copied), copied
 
 
 def test_drafts_must_be_accepted_as_often_as_they_cost_at_the_batch_size() -> None:
@@ -315,12 +349,11 @@ def test_the_text_a_constraint_forces_is_drafted(make_engine: Callable[..., Engi
     assert stats.num_decode_steps < plain.scheduler.stats.num_decode_steps
 
 
-def test_forced_text_is_drafted_whole_and_only_the_guess_follows_its_acceptance(
+def test_forced_text_is_drafted_whole_and_only_the_guess_counts_toward_guess_lengths(
         make_engine: Callable[..., Engine]) -> None:
     """The grammar writes nothing else where it forces text, so a forced key is drafted up to
-    ``speculative_max_draft`` tokens however short the request's guesses have become; the guess
-    after it keeps its own length, set by how much of the last guess was right (a forced part
-    taken whole says nothing about the guess)."""
+    ``speculative_max_draft`` tokens whatever length guesses have; what a guess after it is
+    measured by is its own part (a forced part taken whole says nothing about the guess)."""
     from types import SimpleNamespace
 
     from radixgen.engine.ngram import DraftState
@@ -341,16 +374,39 @@ def test_forced_text_is_drafted_whole_and_only_the_guess_follows_its_acceptance(
     out = engine.generate("Number:", SamplingParams(max_new_tokens=30, temperature=0.0, json_schema=schema))
     assert out.finish_reason.value == "stop" and key in json.loads(out.text)
     assert seen and seen[0][1] == seen[0][0] == drafter.max_draft, seen  # the first draft: the key, at full length
-    state = DraftState(NgramIndex(3), length=4, draft_forced=3)
-    req = SimpleNamespace(speculation=state)
-    record(req, 5, 5)  # forced 3 and a guess of 2, all right: the guess doubles
-    assert state.length == 4
+    lengths = drafter.guess_lengths["copied"] = GuessLengths(8)
+    state = DraftState(NgramIndex(3), draft_forced=3, draft_source="copied")
+    req = SimpleNamespace(speculation=state, params=SamplingParams())
+    record(req, 5, 5)  # forced 3 and a guess of 2, all right
+    assert lengths.at_risk[1:4].tolist() == [1, 1, 0] and not lengths.ended.any()
     state.draft_forced = 3
-    record(req, 6, 4)  # forced 3, then one of a guess of 3 right
-    assert state.length == 2
+    record(req, 6, 4)  # forced 3, then one of a guess of 3 right: the run ended at its second token
+    assert lengths.ended[2] > 0 and lengths.at_risk[3] == 0
     state.draft_forced = 4
-    record(req, 4, 4)  # forced text only: the guess's length stands
-    assert state.length == 2
+    before = lengths.at_risk.copy()
+    record(req, 6, 2)  # the forced text itself was left: the guess was never reached
+    assert (lengths.at_risk == before).all()
+
+
+def test_guesses_are_as_long_as_they_pay_for_how_far_such_guesses_have_run() -> None:
+    """Copies that run whole are drafted at the longest length, guesses wrong at once at one
+    token; a dearer drafted position shortens them; every eighth guess explores the longest."""
+    long_runs, short_runs = GuessLengths(8), GuessLengths(8)
+    for _ in range(60):
+        long_runs.observe(8, 8)
+        short_runs.observe(8, 0)
+    choices = [long_runs.choose(0.2) for _ in range(7)]
+    assert choices == [8] * 7
+    assert [short_runs.choose(0.2) for _ in range(7)] == [1] * 7, "the eighth explores"
+    assert short_runs.choose(0.2) == 8
+    halves = GuessLengths(8)
+    for _ in range(60):  # right half the time at each token: about one token a guess
+        halves.observe(8, 0)
+        halves.observe(8, 1)
+        halves.observe(8, 3)
+        halves.observe(8, 8)
+    cheap, dear = halves.choose(0.05), halves.choose(0.6)
+    assert cheap > dear >= 1, (cheap, dear)
 
 
 def test_a_request_overrides_the_engine_setting_either_way(make_engine: Callable[..., Engine]) -> None:
@@ -464,6 +520,28 @@ def test_a_draft_that_leaves_the_grammar_is_cut_at_that_token(tiny_engine: Engin
     assert _grammatical_prefix(matcher, ids("ab123z") + [eos] + ids("ab")) == ids("ab123z"), \
         "the stop token that would end the automaton is left to the model"
     assert matcher.accept(ids("a")[0]) and not matcher.accept(ids("z")[0])
+
+
+def test_a_guess_the_grammar_refuses_gives_way_to_the_next_after_the_forced_text(tiny_engine: Engine) -> None:
+    """The latest copy of a suffix may leave the grammar where an earlier one does not: the draft
+    takes the first guess whose first token the automaton takes after the forced tokens, cut
+    where the automaton refuses it, and leaves the automaton where it was."""
+    from radixgen.constraints.spec import regex_spec
+    from radixgen.engine.speculative import _grammatical_draft
+
+    grammar = tiny_engine.constraints.grammars().compile(regex_spec(r"ab[0-9]{3}z"))
+    matcher = grammar.matcher()
+    tok = tiny_engine.tokenizer
+
+    def ids(text: str) -> list[int]:
+        return [tok.convert_tokens_to_ids(c) for c in text]
+
+    guesses = [(ids("x1"), 9), (ids("12x"), 4), (ids("345"), 2)]
+    assert _grammatical_draft(matcher, ids("ab"), iter(guesses)) == (ids("ab12"), 4)
+    assert _grammatical_draft(matcher, ids("ab"), iter(guesses[:1])) == (ids("ab"), -1), "no guess taken"
+    assert _grammatical_draft(matcher, ids("ax"), iter(guesses)) == (ids("a"), -1), \
+        "no guess follows forced text the automaton refused"
+    assert matcher.accept(ids("a")[0]) and not matcher.accept(ids("z")[0]), "the automaton was rolled back"
 
 
 def test_a_step_with_drafts_stays_within_the_full_precision_step_size(make_engine: Callable[..., Engine],
