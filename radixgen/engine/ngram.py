@@ -84,11 +84,7 @@ def prompt_text_continuation(prompt_text: str, tail: str, k: int, encode: Callab
         end = at + n
     if end < 0 or end == len(prompt_text):
         return []
-    span = prompt_text[end : end + k * _TEXT_CHARS_PER_TOKEN]
-    ids = encode(span)
-    if end + len(span) < len(prompt_text):
-        ids = ids[:-1]  # the span may end inside a word: its last token would not be the model's
-    return ids[:k]
+    return _prompt_tokens_from(prompt_text, end, k, encode)
 
 
 def word_start_continuation(prompt_text: str, tail: str, output_text: str, k: int,
@@ -111,6 +107,11 @@ def word_start_continuation(prompt_text: str, tail: str, output_text: str, k: in
         return []
     fresh = [at for at in starts if _value_at(prompt_text, at) not in output_text]
     end = (fresh or starts)[0] + len(text)
+    return _prompt_tokens_from(prompt_text, end, k, encode)
+
+
+def _prompt_tokens_from(prompt_text: str, end: int, k: int, encode: Callable[[str], list[int]]) -> list[int]:
+    """Up to ``k`` tokens of the prompt text from ``end``, tokenized as a continuation."""
     span = prompt_text[end : end + k * _TEXT_CHARS_PER_TOKEN]
     ids = encode(span)
     if end + len(span) < len(prompt_text):
