@@ -43,14 +43,6 @@ class NgramIndex:
                 self.tables[n].setdefault(tuple(tokens[stop - n : stop]), []).append(stop)
         self.indexed_to = max(self.indexed_to, end)
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the latest occurrence of the longest match of the
-        sequence's suffix (at least two tokens long: a single common token predicts too little
-        to pay)."""
-        for proposal, _ in self.candidates(tokens, k):
-            return proposal
-        return []
-
     def candidates(self, tokens: list[int], k: int, limit: int = 1) -> Iterator[tuple[list[int], int]]:
         """Up to ``limit`` continuations of the sequence's suffix, each up to ``k`` tokens and
         the position it starts at in ``tokens``: the longest match's occurrences first, the

@@ -431,21 +431,13 @@ def _current_tokens(req: Request, state: DraftState) -> list[int]:
     return tokens
 
 
-def _grammatical_prefix(matcher: Matcher, draft: list[int]) -> list[int]:
-    """The draft up to the first token the request's automaton rejects, and before a stop token
-    that would end it (the end is the model's to choose; verifying past it would ask a finished
-    automaton for a mask); the automaton's state unchanged."""
-    taken, walked = _walk(matcher, draft)
-    if walked:
-        matcher.rollback(walked)
-    return draft[:taken]
-
-
 def _grammatical_draft(matcher: Matcher, forced: list[int], guesses: Iterator[tuple[list[int], int]]
                        ) -> tuple[list[int], int]:
-    """The forced tokens' grammatical prefix, followed by the first guess whose first token the
-    automaton takes after them, cut as ``_grammatical_prefix`` cuts; with where that guess
-    starts (-1: none taken). The automaton's state unchanged."""
+    """The forced tokens up to the first one the request's automaton rejects, and before a stop
+    token that would end it (the end is the model's to choose; verifying past it would ask a
+    finished automaton for a mask); then, where all were taken, the first guess whose first
+    token the automaton takes after them, cut the same way; with where that guess starts (-1:
+    none taken). The automaton's state unchanged."""
     taken, walked = _walk(matcher, forced)
     draft, found_at = forced[:taken], -1
     if taken == len(forced) and walked == taken:

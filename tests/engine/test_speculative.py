@@ -25,19 +25,23 @@ def greedy(n: int, **kw: Any) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
 
+def first_candidate(index: NgramIndex, tokens: list[int], k: int) -> list[int]:
+    return next(index.candidates(tokens, k), ([], -1))[0]
+
+
 def test_the_index_finds_the_latest_earlier_occurrence_of_the_longest_suffix() -> None:
     index = NgramIndex(max_n=3)
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 2, 3]
     index.update(tokens)
     # suffix (2, 3): its latest earlier occurrence is followed by 7, 8, ...
-    assert index.propose(tokens, 3) == [7, 8, 2]
+    assert first_candidate(index, tokens, 3) == [7, 8, 2]
     tokens += [7]  # suffix (2, 3, 7) occurred once, before 8
     index.update(tokens)
-    assert index.propose(tokens, 2) == [8, 2]
-    assert index.propose([5, 6, 42], 4) == []  # a suffix never seen before drafts nothing
+    assert first_candidate(index, tokens, 2) == [8, 2]
+    assert first_candidate(index, [5, 6, 42], 4) == []  # a suffix never seen before drafts nothing
     lone = NgramIndex(max_n=3)
     lone.update([4, 5, 6])
-    assert lone.propose([4, 5, 6], 3) == [], "the suffix itself is not an earlier occurrence"
+    assert first_candidate(lone, [4, 5, 6], 3) == [], "the suffix itself is not an earlier occurrence"
 
 
 def test_the_index_offers_every_earlier_occurrence_longest_match_first_latest_first() -> None:
@@ -110,7 +114,7 @@ def test_a_copy_that_starts_inside_another_token_is_drafted_from_the_prompt_text
     drafter.tokenizer = tok
     drafts = drafter.draft([req])
     assert req.speculation is not None and req.speculation.draft_source == "copied"
-    assert req.speculation.index.propose(req.all_ids(), 2) == [], "the tokens alone match nothing"
+    assert first_candidate(req.speculation.index, req.all_ids(), 2) == [], "the tokens alone match nothing"
     copied = tok.decode(drafts[req])  # the continuation, as long as guesses are drafted
     assert len(drafts[req]) >= 2 and "-20931 dated 2024".startswith(copied), copied
 
@@ -503,7 +507,7 @@ def test_a_draft_that_leaves_the_grammar_is_cut_at_that_token(tiny_engine: Engin
     """The automaton walks the draft: tokens up to the first one it rejects are kept, the rest cut,
     and the automaton is left where it was (the verification walks it again)."""
     from radixgen.constraints.spec import regex_spec
-    from radixgen.engine.speculative import _grammatical_prefix
+    from radixgen.engine.speculative import _grammatical_draft
 
     grammar = tiny_engine.constraints.grammars().compile(regex_spec(r"ab[0-9]{3}z"))
     matcher = grammar.matcher()
@@ -514,10 +518,10 @@ def test_a_draft_that_leaves_the_grammar_is_cut_at_that_token(tiny_engine: Engin
 
     draft = ids("ab12x9z")  # leaves the grammar at "x"
     assert all(t != tok.unk_token_id for t in draft)
-    assert _grammatical_prefix(matcher, draft) == ids("ab12")
-    assert _grammatical_prefix(matcher, draft) == ids("ab12"), "the automaton was rolled back"
+    assert _grammatical_draft(matcher, draft, iter(()))[0] == ids("ab12")
+    assert _grammatical_draft(matcher, draft, iter(()))[0] == ids("ab12"), "the automaton was rolled back"
     eos = tiny_engine.model_config.eos_token_ids[0]
-    assert _grammatical_prefix(matcher, ids("ab123z") + [eos] + ids("ab")) == ids("ab123z"), \
+    assert _grammatical_draft(matcher, ids("ab123z") + [eos] + ids("ab"), iter(()))[0] == ids("ab123z"), \
         "the stop token that would end the automaton is left to the model"
     assert matcher.accept(ids("a")[0]) and not matcher.accept(ids("z")[0])
 
